@@ -1,0 +1,198 @@
+/*
+ * poolloader ring: a bounded single-producer / single-consumer queue of int64
+ * values that lives in a caller-given shared buffer (a POSIX shared-memory
+ * mapping), usable by two processes (fork, spawn or forkserver).
+ *
+ * No Python.h here: Cython declares these with `cdef extern` (poolloader/_ring.pyx).
+ *
+ * Buffer layout, keep in sync with RING_HEADER_BYTES in poolloader/_ring.pyx.
+ * Every field sits on its own 64-byte cache line so producer and consumer never
+ * write the same line:
+ *
+ *   line 0  magic     u64  PL_RING_MAGIC once initialised (written last, release)
+ *           capacity  u64  number of int64 cells (any value >= 1, not only powers of 2)
+ *           closed    u32  0 open, 1 closed: every waiter wakes and fails
+ *   line 1  head      u64  count of values popped so far (written by the consumer only)
+ *   line 2  tail      u64  count of values pushed so far (written by the producer only)
+ *   line 3  items     sem_t (pshared=1): values ready to pop
+ *   line 4  spaces    sem_t (pshared=1): free cells to push into
+ *   line 5… cells     int64[capacity], cell i holds value number i % capacity
+ *
+ * The two semaphores are unnamed and live inside the buffer, so there is no
+ * kernel object to leak. sem_post/sem_wait are full barriers; head and tail are
+ * atomics with acquire/release so a racy len() from either side is still sane.
+ */
+#ifndef POOLLOADER_RING_H
+#define POOLLOADER_RING_H
+
+#include <errno.h>
+#include <semaphore.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+#define PL_RING_MAGIC 0x676e69724c50ULL /* "PLring" */
+#define PL_LINE 64
+#define PL_RING_HEADER_BYTES (5 * PL_LINE)
+
+enum { PL_OK = 0, PL_EMPTY = 1, PL_FULL = 1, PL_TIMEOUT = 2, PL_CLOSED = 3, PL_INTR = 4 };
+
+typedef struct {
+    uint64_t magic;
+    uint64_t capacity;
+    _Atomic uint32_t closed;
+} pl_ring_meta;
+
+_Static_assert(sizeof(sem_t) <= PL_LINE, "sem_t must fit one cache line");
+
+static inline pl_ring_meta *pl_meta(void *b) { return (pl_ring_meta *)b; }
+static inline _Atomic uint64_t *pl_head(void *b) { return (_Atomic uint64_t *)((char *)b + 1 * PL_LINE); }
+static inline _Atomic uint64_t *pl_tail(void *b) { return (_Atomic uint64_t *)((char *)b + 2 * PL_LINE); }
+static inline sem_t *pl_items(void *b) { return (sem_t *)((char *)b + 3 * PL_LINE); }
+static inline sem_t *pl_spaces(void *b) { return (sem_t *)((char *)b + 4 * PL_LINE); }
+static inline int64_t *pl_cells(void *b) { return (int64_t *)((char *)b + PL_RING_HEADER_BYTES); }
+
+static inline uint64_t pl_ring_nbytes(uint64_t capacity) {
+    return PL_RING_HEADER_BYTES + capacity * sizeof(int64_t);
+}
+
+/* Initialise a zeroed or reused buffer. Call once, before any other process attaches. */
+static inline int pl_ring_init(void *b, uint64_t capacity) {
+    if (capacity < 1 || capacity > (uint64_t)SEM_VALUE_MAX) return EINVAL;
+    memset(b, 0, PL_RING_HEADER_BYTES);
+    pl_meta(b)->capacity = capacity;
+    if (sem_init(pl_items(b), 1, 0) != 0) return errno;
+    if (sem_init(pl_spaces(b), 1, (unsigned)capacity) != 0) return errno;
+    atomic_store_explicit(pl_head(b), 0, memory_order_relaxed);
+    atomic_store_explicit(pl_tail(b), 0, memory_order_relaxed);
+    atomic_store_explicit(&pl_meta(b)->closed, 0, memory_order_relaxed);
+    atomic_thread_fence(memory_order_release);
+    pl_meta(b)->magic = PL_RING_MAGIC;
+    return 0;
+}
+
+static inline int pl_ring_is_valid(void *b) {
+    atomic_thread_fence(memory_order_acquire);
+    return pl_meta(b)->magic == PL_RING_MAGIC && pl_meta(b)->capacity >= 1;
+}
+
+static inline int pl_ring_closed(void *b) {
+    return atomic_load_explicit(&pl_meta(b)->closed, memory_order_acquire) != 0;
+}
+
+/* Wake every waiter; from then on every operation reports PL_CLOSED. */
+static inline void pl_ring_close(void *b) {
+    atomic_store_explicit(&pl_meta(b)->closed, 1, memory_order_release);
+    sem_post(pl_items(b));
+    sem_post(pl_spaces(b));
+}
+
+static inline uint64_t pl_ring_len(void *b) {
+    uint64_t tail = atomic_load_explicit(pl_tail(b), memory_order_acquire);
+    uint64_t head = atomic_load_explicit(pl_head(b), memory_order_acquire);
+    return tail >= head ? tail - head : 0;
+}
+
+/* Producer side, after a token of `spaces` is held. */
+static inline void pl_ring_put(void *b, int64_t value) {
+    uint64_t tail = atomic_load_explicit(pl_tail(b), memory_order_relaxed);
+    pl_cells(b)[tail % pl_meta(b)->capacity] = value;
+    atomic_store_explicit(pl_tail(b), tail + 1, memory_order_release);
+    sem_post(pl_items(b));
+}
+
+/* Consumer side, after a token of `items` is held. */
+static inline int64_t pl_ring_take(void *b) {
+    uint64_t head = atomic_load_explicit(pl_head(b), memory_order_relaxed);
+    int64_t value = pl_cells(b)[head % pl_meta(b)->capacity];
+    atomic_store_explicit(pl_head(b), head + 1, memory_order_release);
+    sem_post(pl_spaces(b));
+    return value;
+}
+
+/* Take one token of `sem`, waiting at most `seconds` (< 0: do not wait).
+ * Returns PL_OK, PL_EMPTY (nothing and no wait asked), PL_TIMEOUT, PL_INTR
+ * (a signal arrived: the caller checks for Python signals and retries) or
+ * PL_CLOSED. Safe to call without the GIL. */
+static inline int pl_sem_take(void *b, sem_t *sem, double seconds) {
+    if (pl_ring_closed(b)) return PL_CLOSED;
+    if (seconds < 0) {
+        while (sem_trywait(sem) != 0) {
+            if (errno == EAGAIN) return PL_EMPTY;
+            if (errno != EINTR) return -errno;
+        }
+    } else {
+        struct timespec deadline;
+        clock_gettime(CLOCK_MONOTONIC, &deadline);
+        long long ns = (long long)(seconds * 1e9);
+        deadline.tv_sec += ns / 1000000000LL;
+        deadline.tv_nsec += ns % 1000000000LL;
+        if (deadline.tv_nsec >= 1000000000L) { deadline.tv_sec += 1; deadline.tv_nsec -= 1000000000L; }
+        if (sem_clockwait(sem, CLOCK_MONOTONIC, &deadline) != 0) {
+            if (errno == ETIMEDOUT) return pl_ring_closed(b) ? PL_CLOSED : PL_TIMEOUT;
+            if (errno == EINTR) return PL_INTR;
+            return -errno;
+        }
+    }
+    if (pl_ring_closed(b)) {
+        sem_post(sem); /* hand the token on so a later waiter wakes too */
+        return PL_CLOSED;
+    }
+    return PL_OK;
+}
+
+static inline int pl_ring_push(void *b, int64_t value, double seconds) {
+    int rc = pl_sem_take(b, pl_spaces(b), seconds);
+    if (rc == PL_OK) pl_ring_put(b, value);
+    return rc;
+}
+
+static inline int pl_ring_pop(void *b, int64_t *value, double seconds) {
+    int rc = pl_sem_take(b, pl_items(b), seconds);
+    if (rc == PL_OK) *value = pl_ring_take(b);
+    return rc;
+}
+
+/*
+ * Doorbell: one process-shared counting semaphore on its own cache line, rung
+ * by any number of producers after they push to their own ring, waited on by
+ * the single consumer that drains all those rings. It lets one process wait
+ * for "any ring has something" without polling. Layout: magic u64 on line 0,
+ * sem_t on line 1 (PL_DOORBELL_BYTES in all).
+ */
+#define PL_DOORBELL_MAGIC 0x6c6c6562726f6f64ULL /* "doorbell" */
+#define PL_DOORBELL_BYTES (2 * PL_LINE)
+
+static inline sem_t *pl_bell(void *b) { return (sem_t *)((char *)b + PL_LINE); }
+
+static inline int pl_doorbell_init(void *b) {
+    memset(b, 0, PL_DOORBELL_BYTES);
+    if (sem_init(pl_bell(b), 1, 0) != 0) return errno;
+    atomic_thread_fence(memory_order_release);
+    *(uint64_t *)b = PL_DOORBELL_MAGIC;
+    return 0;
+}
+
+static inline int pl_doorbell_is_valid(void *b) {
+    atomic_thread_fence(memory_order_acquire);
+    return *(uint64_t *)b == PL_DOORBELL_MAGIC;
+}
+
+static inline void pl_doorbell_ring(void *b) { sem_post(pl_bell(b)); }
+
+/* PL_OK when rung, PL_TIMEOUT, PL_INTR; < 0 is -errno. */
+static inline int pl_doorbell_wait(void *b, double seconds) {
+    struct timespec deadline;
+    clock_gettime(CLOCK_MONOTONIC, &deadline);
+    long long ns = (long long)(seconds * 1e9);
+    deadline.tv_sec += ns / 1000000000LL;
+    deadline.tv_nsec += ns % 1000000000LL;
+    if (deadline.tv_nsec >= 1000000000L) { deadline.tv_sec += 1; deadline.tv_nsec -= 1000000000L; }
+    if (sem_clockwait(pl_bell(b), CLOCK_MONOTONIC, &deadline) == 0) return PL_OK;
+    if (errno == ETIMEDOUT) return PL_TIMEOUT;
+    if (errno == EINTR) return PL_INTR;
+    return -errno;
+}
+
+#endif

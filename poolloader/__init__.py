@@ -1,0 +1,13 @@
+"""poolloader: a drop-in torch DataLoader whose workers write batches into
+preallocated, reused shared-memory slots; only slot indices cross processes."""
+from poolloader.collate import slot_collate, slot_empty
+from poolloader.errors import (PoolExhausted, RingClosed, RingTimeout, ShmSpaceError,
+                               SlotCorrupt, WorkerDied)
+from poolloader.loader import PoolLoader
+from poolloader.stats import LoaderStats
+
+__all__ = [
+    "PoolLoader", "LoaderStats", "slot_collate", "slot_empty",
+    "PoolExhausted", "RingClosed", "RingTimeout", "ShmSpaceError", "SlotCorrupt", "WorkerDied",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,223 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""Cython face of csrc/ring.h: an SPSC int64 ring and a doorbell in shared memory.
+
+The C header owns the byte layout (see its comment). Both classes take any
+writable buffer (a poolloader mapping, an mmap, a bytearray) plus an offset, and
+keep the buffer exported for their whole life, so the memory cannot be unmapped
+under them.
+"""
+from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_WRITABLE, PyBUF_SIMPLE
+from cpython.exc cimport PyErr_CheckSignals
+from libc.stdint cimport int64_t, uint64_t, uint8_t
+
+import time
+
+from poolloader.errors import RingClosed, RingTimeout
+
+cdef extern from "ring.h" nogil:
+    int PL_OK, PL_EMPTY, PL_FULL, PL_TIMEOUT, PL_CLOSED, PL_INTR
+    uint64_t PL_RING_HEADER_BYTES_ "PL_RING_HEADER_BYTES"
+    uint64_t PL_DOORBELL_BYTES_ "PL_DOORBELL_BYTES"
+    uint64_t pl_ring_nbytes(uint64_t capacity)
+    int pl_ring_init(void *b, uint64_t capacity)
+    int pl_ring_is_valid(void *b)
+    int pl_ring_closed(void *b)
+    void pl_ring_close(void *b)
+    uint64_t pl_ring_len(void *b)
+    int pl_ring_push(void *b, int64_t value, double seconds)
+    int pl_ring_pop(void *b, int64_t *value, double seconds)
+    int pl_doorbell_init(void *b)
+    int pl_doorbell_is_valid(void *b)
+    void pl_doorbell_ring(void *b)
+    int pl_doorbell_wait(void *b, double seconds)
+
+RING_HEADER_BYTES = PL_RING_HEADER_BYTES_
+DOORBELL_BYTES = PL_DOORBELL_BYTES_
+
+# Longest single sleep inside a blocking call: between slices Python signal
+# handlers run (KeyboardInterrupt reaches a blocked main process promptly).
+cdef double _SLICE = 0.1
+
+
+def ring_nbytes(uint64_t capacity):
+    """Bytes a ring of `capacity` cells occupies in its buffer (header included)."""
+    return pl_ring_nbytes(capacity)
+
+
+cdef class _Shared:
+    """Holds a writable export of `buffer` and the address `offset` bytes into it."""
+    cdef Py_buffer _view
+    cdef bint _held
+    cdef void *_ptr
+    cdef readonly object buffer
+    cdef readonly Py_ssize_t offset
+
+    cdef int _attach(self, object buffer, Py_ssize_t offset, Py_ssize_t nbytes) except -1:
+        PyObject_GetBuffer(buffer, &self._view, PyBUF_WRITABLE | PyBUF_SIMPLE)
+        self._held = True
+        if offset < 0 or offset + nbytes > self._view.len:
+            raise ValueError(
+                f"a region of {nbytes} bytes at offset {offset} does not fit a buffer "
+                f"of {self._view.len} bytes")
+        if (<size_t>self._view.buf + offset) % 64:
+            raise ValueError(f"offset {offset} is not 64-byte aligned in its buffer")
+        self.buffer = buffer
+        self.offset = offset
+        self._ptr = <uint8_t *>self._view.buf + offset
+        return 0
+
+    def __dealloc__(self):
+        if self._held:
+            PyBuffer_Release(&self._view)
+            self._held = False
+
+
+cdef class Ring(_Shared):
+    """Bounded single-producer/single-consumer queue of int64 in shared memory.
+
+    Exactly one process pushes and exactly one pops (ownership is the caller's
+    contract). The creator calls `Ring(buf, off, capacity=n)` once; the other
+    side attaches with `Ring(buf, off)`. Blocking calls release the GIL and wait
+    at most `timeout` seconds (None: until closed), raising RingTimeout or
+    RingClosed (after `close()` from either side).
+    """
+    cdef readonly uint64_t capacity
+
+    def __cinit__(self, buffer, Py_ssize_t offset=0, capacity=None):
+        cdef int rc
+        if capacity is not None:
+            if capacity < 1:
+                raise ValueError(f"ring capacity must be >= 1, got {capacity}")
+            self._attach(buffer, offset, pl_ring_nbytes(capacity))
+            rc = pl_ring_init(self._ptr, capacity)
+            if rc != 0:
+                raise OSError(rc, "sem_init failed for a ring")
+        else:
+            self._attach(buffer, offset, PL_RING_HEADER_BYTES_)
+            if not pl_ring_is_valid(self._ptr):
+                raise ValueError(f"no initialised ring at offset {offset} of this buffer")
+            capacity = (<uint64_t *>self._ptr)[1]
+            PyBuffer_Release(&self._view)
+            self._held = False
+            self._attach(buffer, offset, pl_ring_nbytes(capacity))
+        self.capacity = capacity
+
+    @staticmethod
+    def nbytes(uint64_t capacity):
+        return pl_ring_nbytes(capacity)
+
+    def __len__(self):
+        """Values currently queued (exact from either side when the other is idle)."""
+        return pl_ring_len(self._ptr)
+
+    @property
+    def closed(self):
+        return bool(pl_ring_closed(self._ptr))
+
+    def close(self):
+        """Mark the ring closed and wake every waiter on both sides; they raise RingClosed."""
+        pl_ring_close(self._ptr)
+
+    def try_push(self, int64_t value):
+        """Push without waiting; False when full. Producer side only."""
+        cdef int rc = pl_ring_push(self._ptr, value, -1.0)
+        if rc == PL_OK:
+            return True
+        return self._check(rc, "push", 0)
+
+    def try_pop(self):
+        """Pop without waiting; None when empty. Consumer side only."""
+        cdef int64_t value = 0
+        cdef int rc = pl_ring_pop(self._ptr, &value, -1.0)
+        if rc == PL_OK:
+            return value
+        self._check(rc, "pop", 0)
+        return None
+
+    def push(self, int64_t value, timeout=None):
+        """Push, waiting at most `timeout` seconds for a free cell (GIL released)."""
+        cdef int64_t dummy = 0
+        self._wait(True, value, &dummy, timeout)
+
+    def pop(self, timeout=None):
+        """Pop, waiting at most `timeout` seconds for a value (GIL released)."""
+        cdef int64_t value = 0
+        self._wait(False, 0, &value, timeout)
+        return value
+
+    cdef int _wait(self, bint pushing, int64_t value, int64_t *out, object timeout) except -1:
+        cdef double slice_
+        cdef int rc
+        cdef void *ptr = self._ptr
+        cdef double deadline = 0.0
+        if timeout is not None:
+            if timeout < 0:
+                raise ValueError(f"timeout must be >= 0 or None, got {timeout}")
+            deadline = time.monotonic() + timeout
+        while True:
+            slice_ = _SLICE
+            if timeout is not None:
+                slice_ = min(_SLICE, max(0.0, deadline - time.monotonic()))
+            with nogil:
+                if pushing:
+                    rc = pl_ring_push(ptr, value, slice_)
+                else:
+                    rc = pl_ring_pop(ptr, out, slice_)
+            if rc == PL_OK:
+                return 0
+            if rc == PL_TIMEOUT or rc == PL_INTR:
+                PyErr_CheckSignals()
+                if timeout is not None and time.monotonic() >= deadline:
+                    raise RingTimeout(
+                        f"ring {'push' if pushing else 'pop'} timed out after {timeout} s "
+                        f"(capacity {self.capacity}, {pl_ring_len(ptr)} queued)")
+                continue
+            self._check(rc, "push" if pushing else "pop", 0)
+
+    cdef object _check(self, int rc, str what, int unused):
+        if rc == PL_EMPTY:
+            return False
+        if rc == PL_CLOSED:
+            raise RingClosed(f"ring {what} failed: the ring was closed")
+        raise OSError(-rc, f"ring {what} failed")
+
+
+cdef class Doorbell(_Shared):
+    """A process-shared counting semaphore: many processes ring, one waits.
+
+    Producers call `ring()` after each push to their own Ring; the consumer
+    `wait(timeout)`s (GIL released) and then drains its rings with try_pop.
+    A wake may find nothing new (an earlier drain took it): callers loop.
+    """
+
+    def __cinit__(self, buffer, Py_ssize_t offset=0, bint create=False):
+        cdef int rc
+        self._attach(buffer, offset, PL_DOORBELL_BYTES_)
+        if create:
+            rc = pl_doorbell_init(self._ptr)
+            if rc != 0:
+                raise OSError(rc, "sem_init failed for a doorbell")
+        elif not pl_doorbell_is_valid(self._ptr):
+            raise ValueError(f"no initialised doorbell at offset {offset} of this buffer")
+
+    def ring(self):
+        pl_doorbell_ring(self._ptr)
+
+    def wait(self, double timeout):
+        """True if rung within `timeout` seconds, else False."""
+        cdef int rc
+        cdef void *ptr = self._ptr
+        cdef double deadline = time.monotonic() + timeout
+        cdef double slice_
+        while True:
+            slice_ = min(_SLICE, max(0.0, deadline - time.monotonic()))
+            with nogil:
+                rc = pl_doorbell_wait(ptr, slice_)
+            if rc == PL_OK:
+                return True
+            if rc == PL_TIMEOUT or rc == PL_INTR:
+                PyErr_CheckSignals()
+                if time.monotonic() >= deadline:
+                    return False
+                continue
+            raise OSError(-rc, "doorbell wait failed")

@@ -1,0 +1,28 @@
+"""Every exception poolloader raises on purpose, in one place.
+
+Each subclasses the builtin a caller would already catch for it.
+"""
+
+
+class RingClosed(RuntimeError):
+    """A ring was closed while (or before) waiting on it."""
+
+
+class RingTimeout(TimeoutError):
+    """A blocking ring operation waited its whole timeout."""
+
+
+class ShmSpaceError(MemoryError):
+    """/dev/shm (or the configured cap) cannot hold what the pool needs."""
+
+
+class PoolExhausted(RuntimeError):
+    """The consumer holds every slot and the pool reached its bound."""
+
+
+class SlotCorrupt(RuntimeError):
+    """A slot's header or skeleton is invalid; nothing was read outside the slot."""
+
+
+class WorkerDied(RuntimeError):
+    """A worker process exited while the loader still needed it."""

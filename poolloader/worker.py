@@ -1,0 +1,197 @@
+"""The worker loop: pop a slot, fetch and collate into it, publish, repeat.
+
+Runs in each worker process. Seeding, WorkerInfo, worker_init_fn and the
+fetchers are torch's own, used as DataLoader's `_worker_loop` uses them, so a
+dataset sees exactly what it sees under DataLoader. What differs is transport:
+requests and replies are slot indices on this worker's two rings, the batch is
+written into the slot, and errors travel through the slot as torch's
+ExceptionWrapper.
+"""
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data._utils import signal_handling
+from torch.utils.data._utils import worker as torch_worker
+from torch.utils.data._utils.collate import default_collate
+from torch.utils.data._utils.worker import ManagerWatchdog, WorkerInfo, _generate_state
+from torch._utils import ExceptionWrapper
+
+from poolloader import collate as slot_collate_mod
+from poolloader import slot_format as fmt
+from poolloader.errors import RingClosed, RingTimeout
+from poolloader.pool import WorkerSlots
+
+# How often an idle worker checks that its parent is alive (seconds).
+WORKER_TICK = 0.25
+
+
+@dataclass
+class WorkerConfig:
+    dataset_kind: int
+    dataset: Any
+    auto_collation: bool
+    collate_fn: Any
+    drop_last: bool
+    base_seed: int
+    init_fn: Any
+    worker_id: int
+    num_workers: int
+    prefix: str
+    main_pid: int
+
+
+def _parent_alive(watchdog: ManagerWatchdog, main_pid: int) -> bool:
+    if not watchdog.is_alive():
+        return False
+    try:
+        os.kill(main_pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def worker_loop(cfg: WorkerConfig) -> None:
+    from torch.utils.data import _DatasetKind
+
+    watchdog = ManagerWatchdog()
+    slots = None
+    try:
+        signal_handling._set_worker_signal_handlers()
+        torch.multiprocessing._set_thread_name("pt_data_worker")
+        torch.set_num_threads(1)
+        seed = cfg.base_seed + cfg.worker_id
+        random.seed(seed)
+        torch.manual_seed(seed)
+        try:
+            import numpy as np
+            np.random.seed(_generate_state(cfg.base_seed, cfg.worker_id))
+        except ImportError:
+            pass
+        torch_worker._worker_info = WorkerInfo(
+            id=cfg.worker_id, num_workers=cfg.num_workers, seed=seed, dataset=cfg.dataset)
+
+        slots = WorkerSlots(cfg.prefix, cfg.worker_id)
+        control = slots.control
+        request_ring = control.request_rings[cfg.worker_id]
+        done_ring = control.done_rings[cfg.worker_id]
+        doorbell = control.doorbell
+
+        # torch's default collate gives the same result stacked into the slot.
+        collate_fn = cfg.collate_fn
+        if collate_fn is default_collate:
+            collate_fn = slot_collate_mod.slot_collate
+
+        def new_fetcher():
+            return _DatasetKind.create_fetcher(
+                cfg.dataset_kind, cfg.dataset, cfg.auto_collation, collate_fn, cfg.drop_last)
+
+        init_exception = None
+        fetcher = None
+        try:
+            if cfg.init_fn is not None:
+                cfg.init_fn(cfg.worker_id)
+            fetcher = new_fetcher()
+        except Exception:
+            init_exception = ExceptionWrapper(where=f"in DataLoader worker process {cfg.worker_id}")
+
+        writer = fmt.SlotWriter()
+        epoch = 0
+        iteration_end = False
+        pending: dict[int, tuple[Any, int]] = {}  # slot -> (payload, status) awaiting a bigger slot
+
+        while True:
+            try:
+                slot = request_ring.pop(timeout=WORKER_TICK)
+            except RingTimeout:
+                if not _parent_alive(watchdog, cfg.main_pid):
+                    slots.unlink_all()
+                    return
+                slots.sync()
+                continue
+            except RingClosed:
+                return
+            slots.sync()
+            mapping = slots.mapping(slot)
+            header = fmt.header_view(mapping)
+            fresh = slot in pending  # a payload waiting for this (now bigger) slot
+            if fresh:
+                payload, status = pending.pop(slot)
+            else:
+                req_epoch = int(header[fmt.F_EPOCH])
+                if req_epoch != epoch:
+                    epoch = req_epoch
+                    iteration_end = False
+                    if init_exception is None:
+                        fetcher = new_fetcher()
+                payload, status = None, fmt.ST_END
+                if not iteration_end:
+                    writer.begin(mapping)
+                    slot_collate_mod._set_writer(writer)
+                    try:
+                        if init_exception is not None:
+                            payload, status = init_exception, fmt.ST_ERROR
+                            init_exception = None
+                        else:
+                            index = fmt.read_request(mapping, header)
+                            payload, status = fetcher.fetch(index), fmt.ST_READY
+                    except StopIteration:
+                        if cfg.dataset_kind != _DatasetKind.Iterable:
+                            payload = ExceptionWrapper(where=f"in DataLoader worker process {cfg.worker_id}")
+                            status = fmt.ST_ERROR
+                        else:
+                            iteration_end = True
+                    except Exception:
+                        payload = ExceptionWrapper(where=f"in DataLoader worker process {cfg.worker_id}")
+                        status = fmt.ST_ERROR
+                    finally:
+                        slot_collate_mod._set_writer(None)
+            header[fmt.F_WORKER] = cfg.worker_id
+            if status == fmt.ST_END:
+                header[fmt.F_STATUS] = fmt.ST_END
+            else:
+                _publish(writer, mapping, header, slot, payload, status, pending, cfg.worker_id, fresh)
+            del payload
+            done_ring.push(slot, timeout=None)
+            doorbell.ring()
+    except KeyboardInterrupt:
+        pass
+    except RingClosed:
+        pass
+    finally:
+        if slots is not None and not _parent_alive(watchdog, cfg.main_pid):
+            slots.unlink_all()
+
+
+def _publish(writer, mapping, header, slot, payload, status, pending, worker_id, fresh) -> None:
+    """Encode into the slot; on overflow ask main for a bigger one and keep the payload.
+
+    `fresh`: the writer has not begun this mapping yet (a payload from before a
+    growth, or an error); otherwise the collate already allocated in it.
+    """
+    if fresh or writer.mapping is not mapping:
+        writer.begin(mapping)
+    try:
+        fmt.encode(writer, header, payload, status)
+    except fmt.NeedsGrow as grow:
+        pending[slot] = (payload, status)
+        header[fmt.F_NEEDED] = grow.needed
+        header[fmt.F_STATUS] = fmt.ST_GROW
+    except Exception:
+        # The batch cannot be carried (e.g. an unpicklable element): report why.
+        error = ExceptionWrapper(where=f"in DataLoader worker process {worker_id}")
+        writer.begin(mapping)
+        try:
+            fmt.encode(writer, header, error, fmt.ST_ERROR)
+        except fmt.NeedsGrow as grow:
+            pending[slot] = (error, fmt.ST_ERROR)
+            header[fmt.F_NEEDED] = grow.needed
+            header[fmt.F_STATUS] = fmt.ST_GROW
+    finally:
+        writer.end()
