@@ -41,7 +41,7 @@ from poolloader.worker import WorkerConfig, worker_loop
 # How long main sleeps between liveness checks while waiting (seconds).
 MAIN_TICK = 0.1
 # How long shutdown waits for workers to leave by themselves before terminating them.
-JOIN_TIMEOUT = 2.0
+JOIN_TIMEOUT = 1.0
 # Headroom when a slot grows.
 GROWTH_FACTOR = 1.25
 # Slots beyond num_workers * prefetch_factor for batches the consumer holds.

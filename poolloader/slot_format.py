@@ -64,6 +64,7 @@ for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnu
         DTYPES.append(getattr(torch, _name))
 DTYPE_CODE = {dt: i for i, dt in enumerate(DTYPES)}
 ITEMSIZE = [dt.itemsize for dt in DTYPES]
+_NUM_DTYPES = len(DTYPES)
 
 
 def align64(n: int) -> int:
@@ -124,8 +125,8 @@ class SlotWriter:
     """Fills one slot's data region (worker side, one batch at a time).
 
     `empty()` hands out 64-byte-aligned tensors inside the slot, so a collate
-    writes each byte once; when the slot is full it still counts the bytes
-    (returning None) so a single NeedsGrow reports the whole size needed.
+    writes each byte once (None when the slot is full). `alloc()` keeps counting
+    past the end, so a single NeedsGrow reports the whole size needed.
     """
 
     def __init__(self):
@@ -160,8 +161,11 @@ class SlotWriter:
         for s in shape:
             numel *= s
         nbytes = numel * ITEMSIZE[DTYPE_CODE[dtype]]
+        cursor = self.cursor
         off = self.alloc(nbytes)
         if off is None:
+            # the caller allocates elsewhere and the encoder counts the copy then
+            self.cursor = cursor
             return None
         return self.u8[off:off + nbytes].view(dtype).view(shape)
 
@@ -260,28 +264,43 @@ class _SkeletonUnpickler(pickle.Unpickler):
         self.data = data          # uint8 array over [DATA_OFF, data_end): the lease object
         self.data_end = data_end
         self.base = None
-        self.typed = {}
-        self.memo_pids = {}
+        self.typed = [None] * _NUM_DTYPES
+        self.views = 0
 
     def persistent_load(self, pid):
+        # Hot path: one call per tensor of the batch. Every field a worker wrote
+        # is checked before a view is made, so no view can reach outside the slot.
         try:
-            got = self.memo_pids.get(pid)
-        except TypeError:
-            raise SlotCorrupt(f"malformed persistent id {pid!r}") from None
-        if got is not None:
-            return got
-        try:
-            kind, code, off, shape, extra = pid
+            kind, code, off, shape, stride = pid
         except (TypeError, ValueError):
             raise SlotCorrupt(f"malformed persistent id {pid!r}") from None
-        if kind == _T:
-            obj = self._tensor(code, off, shape, extra)
-        elif kind == _A:
-            obj = self._array(code, off, shape, extra)
-        else:
-            raise SlotCorrupt(f"unknown persistent id kind {kind!r}")
-        self.memo_pids[pid] = obj
-        return obj
+        if kind == _A:
+            return self._array(code, off, shape, stride)
+        if kind != _T or type(code) is not int or not 0 <= code < _NUM_DTYPES:
+            raise SlotCorrupt(f"unknown persistent id kind {kind!r} or dtype code {code!r}")
+        if type(off) is not int or type(shape) is not tuple or type(stride) is not tuple \
+                or len(shape) != len(stride) or len(shape) > 64:
+            raise SlotCorrupt(f"malformed view: offset {off!r}, shape {shape!r}, strides {stride!r}")
+        span = 1
+        for size, st in zip(shape, stride):
+            if type(size) is not int or type(st) is not int or size < 0 or st < 0:
+                raise SlotCorrupt(f"malformed view: shape {shape!r}, strides {stride!r}")
+            if size == 0:
+                span = 0
+            elif span:
+                span += (size - 1) * st
+        itemsize = ITEMSIZE[code]
+        if off < DATA_OFF or off % itemsize or off + span * itemsize > self.data_end:
+            raise SlotCorrupt(
+                f"a tensor view of {span * itemsize} bytes at offset {off} falls outside the "
+                f"slot's data region [{DATA_OFF}, {self.data_end})")
+        typed = self.typed[code]
+        if typed is None:
+            if self.base is None:
+                self.base = torch.from_numpy(self.data)
+            typed = self.typed[code] = self.base.view(DTYPES[code])
+        self.views += 1
+        return typed.as_strided(shape, stride, (off - DATA_OFF) // itemsize)
 
     def _check_dims(self, off, shape, stride):
         if (type(off) is not int or type(shape) is not tuple or type(stride) is not tuple
@@ -289,25 +308,8 @@ class _SkeletonUnpickler(pickle.Unpickler):
                 or not all(type(v) is int and v >= 0 for v in shape + stride)):
             raise SlotCorrupt(f"malformed view: offset {off!r}, shape {shape!r}, strides {stride!r}")
 
-    def _tensor(self, code, off, shape, stride):
-        if type(code) is not int or not 0 <= code < len(DTYPES):
-            raise SlotCorrupt(f"unknown dtype code {code!r}")
-        self._check_dims(off, shape, stride)
-        itemsize = ITEMSIZE[code]
-        nbytes = span_elements(shape, stride) * itemsize
-        if off < DATA_OFF or off % itemsize or off + nbytes > self.data_end:
-            raise SlotCorrupt(
-                f"a tensor view of {nbytes} bytes at offset {off} falls outside the slot's data "
-                f"region [{DATA_OFF}, {self.data_end})")
-        typed = self.typed.get(code)
-        if typed is None:
-            if self.base is None:
-                self.base = torch.from_numpy(self.data)
-            typed = self.typed[code] = self.base.view(DTYPES[code])
-        return torch.as_strided(typed, shape, stride, (off - DATA_OFF) // itemsize)
-
     def _array(self, dtype_str, off, shape, order):
-        self._check_dims(off, shape, ())
+        self._check_dims(off, shape, shape)
         try:
             dtype = np.dtype(dtype_str)
         except TypeError:
@@ -320,6 +322,7 @@ class _SkeletonUnpickler(pickle.Unpickler):
         if off < DATA_OFF or off + nbytes > self.data_end:
             raise SlotCorrupt(f"an array of {nbytes} bytes at offset {off} falls outside the "
                               f"slot's data region [{DATA_OFF}, {self.data_end})")
+        self.views += 1
         return np.ndarray(shape, dtype, buffer=self.data, offset=off - DATA_OFF, order=order)
 
 
@@ -356,4 +359,4 @@ def decode(mapping, header: np.ndarray):
         raise
     except Exception as e:
         raise SlotCorrupt(f"slot skeleton cannot be decoded: {type(e).__name__}: {e}") from e
-    return payload, (data if unpickler.memo_pids else None)
+    return payload, (data if unpickler.views else None)

@@ -1,0 +1,324 @@
+"""PoolLoader against DataLoader: one body, two loaders, bit-for-bit equal batches."""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import inspect
+import os
+import random
+import signal
+import time
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler
+
+import loader_datasets as ds
+from poolloader import PoolExhausted, PoolLoader, WorkerDied
+
+LOADERS = [DataLoader, PoolLoader]
+
+
+def assert_same(a, b, path="batch"):
+    assert type(a) is type(b), f"{path}: {type(a)} != {type(b)}"
+    if isinstance(a, torch.Tensor):
+        if a.layout != torch.strided:
+            assert torch.equal(a.to_dense(), b.to_dense()), path
+            return
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
+        assert a.stride() == b.stride(), f"{path}: strides {a.stride()} != {b.stride()}"
+        assert torch.equal(a, b), f"{path}: values differ"
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.shape == b.shape, path
+        assert a.flags.c_contiguous == b.flags.c_contiguous, path
+        np.testing.assert_array_equal(a, b)
+    elif isinstance(a, dict):
+        assert list(a) == list(b), path
+        for k in a:
+            assert_same(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}[{i}]")
+    elif dataclasses.is_dataclass(a):
+        assert_same(dataclasses.asdict(a), dataclasses.asdict(b), path)
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def run_epochs(cls, dataset, epochs=1, **kw):
+    loader = cls(dataset, **kw)
+    out = []
+    for _ in range(epochs):
+        out.append([batch for batch in loader])
+    length = len(loader) if hasattr(dataset, "__len__") else None
+    del loader
+    gc.collect()
+    return out, length
+
+
+def parity(dataset, epochs=1, **kw):
+    kw.setdefault("slots", 64)  # these tests keep every batch alive
+    kw.setdefault("max_slots", 128)
+    pool_kw = dict(kw)
+    torch_kw = {k: v for k, v in kw.items() if k not in ("slots", "max_slots", "slot_bytes")}
+    results = []
+    for cls, kwargs in ((DataLoader, torch_kw), (PoolLoader, pool_kw)):
+        kwargs = dict(kwargs)
+        seed = kwargs.pop("generator_seed", None)
+        if seed is not None:
+            kwargs["generator"] = torch.Generator().manual_seed(seed)
+        torch.manual_seed(1234)
+        np.random.seed(1234)
+        random.seed(1234)
+        results.append(run_epochs(cls, dataset, epochs, **kwargs))
+    (ref, ref_len), (got, got_len) = results
+    assert ref_len == got_len
+    assert len(ref) == len(got)
+    for e, (a, b) in enumerate(zip(ref, got)):
+        assert len(a) == len(b), f"epoch {e}: {len(a)} batches != {len(b)}"
+        assert_same(a, b, f"epoch{e}")
+    return got
+
+
+@pytest.mark.parametrize("workers", [1, 2, 4])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_parity_augmenting_dataset(workers, shuffle):
+    parity(ds.AugmentDataset(), batch_size=4, shuffle=shuffle, num_workers=workers)
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_parity_start_methods(context):
+    parity(ds.AugmentDataset(n=20), batch_size=3, shuffle=True, num_workers=2,
+           multiprocessing_context=context, generator_seed=7)
+
+
+def test_parity_drop_last_and_generator():
+    parity(ds.AugmentDataset(n=29), batch_size=4, shuffle=True, drop_last=True,
+           num_workers=2, generator_seed=3)
+
+
+def test_parity_batch_sampler():
+    data = ds.AugmentDataset(n=31)
+    sampler = BatchSampler(RandomSampler(data, generator=torch.Generator().manual_seed(5)), 5, False)
+    # the same sampler object is consumed by both runs; reseed between them
+    out = []
+    for cls in LOADERS:
+        sampler.sampler.generator.manual_seed(5)
+        torch.manual_seed(99)
+        out.append(run_epochs(cls, data, batch_sampler=sampler, num_workers=2)[0])
+    assert_same(out[0], out[1])
+
+
+def test_parity_batch_size_none_and_varied_structures():
+    parity(ds.VariedDataset(), batch_size=None, num_workers=2)
+
+
+def test_parity_custom_collate_structures():
+    parity(ds.VariedDataset(), batch_size=4, collate_fn=ds.list_collate, num_workers=3)
+
+
+def test_parity_numpy_collate():
+    parity(ds.AugmentDataset(n=18), batch_size=4, collate_fn=ds.numpy_collate, num_workers=2)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_parity_epochs(persistent):
+    parity(ds.AugmentDataset(n=22), epochs=3, batch_size=4, shuffle=True, num_workers=2,
+           persistent_workers=persistent, generator_seed=11)
+
+
+def test_parity_worker_info_seed_and_init_fn():
+    parity(ds.SeedInfoDataset(), batch_size=2, num_workers=3, worker_init_fn=ds.record_init)
+
+
+def test_parity_prefetch_and_out_of_order():
+    parity(ds.AugmentDataset(n=25), batch_size=2, num_workers=2, prefetch_factor=4)
+    # in_order=False: same multiset of batches
+    got = []
+    for cls in LOADERS:
+        torch.manual_seed(0)
+        batches = run_epochs(cls, ds.AugmentDataset(n=25), batch_size=2, num_workers=2,
+                             in_order=False)[0][0]
+        got.append(sorted(tuple(b["index"].tolist()) for b in batches))
+    assert got[0] == got[1]
+
+
+def test_growth_keeps_every_batch():
+    got = parity(ds.BigDataset(), batch_size=3, collate_fn=ds.pad_collate, num_workers=2,
+                 slot_bytes=70_000)
+    assert len(got[0]) == 14
+
+
+def test_rfdetr_shaped_batches_round_trip():
+    """batch 16 of 3×576×576 f32 + 576×576 bool masks + 16 target dicts of 7 tensors: 114 tensors."""
+    data = ds.RFDETRShaped(n=32)
+    loader = PoolLoader(data, batch_size=16, collate_fn=ds.rfdetr_collate, num_workers=2)
+    ref = DataLoader(data, batch_size=16, collate_fn=ds.rfdetr_collate, num_workers=0)
+    count = 0
+    for a, b in zip(ref, loader):
+        n_tensors = 2 + sum(len(t) for t in b[2])
+        assert n_tensors == 114
+        assert_same(a, b)
+        count += 1
+    assert count == 2
+
+
+def test_dataloader_surface():
+    data = ds.AugmentDataset(n=10)
+    loader = PoolLoader[dict](data, batch_size=3, num_workers=2, drop_last=False, timeout=30,
+                              prefetch_factor=3, slot_bytes=1 << 16, slots=9)
+    assert isinstance(loader, DataLoader)
+    assert len(loader) == len(DataLoader(data, batch_size=3)) == 4
+    names = [p for p in inspect.signature(PoolLoader.__init__).parameters if p != "self"]
+    for name in inspect.signature(DataLoader.__init__).parameters:
+        if name != "self":
+            assert name in names, name
+    # Lightning-style re-instantiation from attributes
+    keep = {"dataset", "batch_size", "num_workers", "collate_fn", "pin_memory", "drop_last",
+            "timeout", "worker_init_fn", "multiprocessing_context", "generator",
+            "prefetch_factor", "persistent_workers", "pin_memory_device", "in_order",
+            "slot_bytes", "slots", "max_slots", "shm_limit"}
+    clone = type(loader)(**{k: getattr(loader, k) for k in keep})
+    assert clone.slots == 9 and clone.prefetch_factor == 3 and clone.timeout == 30
+    assert [b["index"].tolist() for b in clone] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+
+
+def test_creates_nothing_until_iterated():
+    before = set(os.listdir("/dev/shm"))
+    loader = PoolLoader(ds.AugmentDataset(), batch_size=2, num_workers=2)
+    assert set(os.listdir("/dev/shm")) == before
+    assert loader.stats.slot_count == 0
+
+
+def test_num_workers_zero_is_dataloader():
+    parity(ds.AugmentDataset(n=9), batch_size=2, shuffle=True, num_workers=0, generator_seed=1)
+
+
+# -- leases -------------------------------------------------------------------------------
+
+def test_held_batch_never_changes():
+    loader = PoolLoader(ds.AugmentDataset(n=60), batch_size=2, num_workers=2, slots=5)
+    it = iter(loader)
+    first = next(it)
+    snapshot = {k: v.clone() for k, v in first.items() if isinstance(v, torch.Tensor)}
+    for _ in it:
+        pass
+    for k, v in snapshot.items():
+        assert torch.equal(first[k], v), k
+
+
+def test_dropping_batches_returns_slots_and_holding_all_grows_then_raises():
+    loader = PoolLoader(ds.AugmentDataset(n=200), batch_size=1, num_workers=2, slots=4,
+                        max_slots=6)
+    # dropping each batch: the pool never grows
+    for _ in loader:
+        pass
+    assert loader.stats.pool_growths == 0
+    held = []
+    with pytest.warns(UserWarning, match="max_slots=6"):
+        with pytest.raises(PoolExhausted, match="max_slots=6"):
+            for batch in loader:
+                held.append(batch)
+    assert len(held) == 6
+    del held, batch
+    gc.collect()
+
+
+def test_exhausted_then_dropping_makes_it_usable_again():
+    loader = PoolLoader(ds.AugmentDataset(n=40), batch_size=2, num_workers=2, slots=4,
+                        max_slots=4, persistent_workers=True)
+    it = iter(loader)
+    held = []
+    with pytest.raises(PoolExhausted):
+        while True:
+            held.append(next(it))
+    seen = [int(b["index"][0]) for b in held]
+    held.clear()
+    rest = [int(b["index"][0]) for b in it]
+    assert seen + rest == list(range(0, 40, 2))
+
+
+# -- descriptors ----------------------------------------------------------------------------
+
+def test_open_descriptors_constant():
+    data = ds.RFDETRShaped(n=16, hw=96)
+    sampler = RandomSampler(data, replacement=True, num_samples=16 * 200,
+                            generator=torch.Generator().manual_seed(0))
+    loader = PoolLoader(data, batch_size=16, sampler=sampler, collate_fn=ds.rfdetr_collate,
+                        num_workers=8)
+    counts = []
+    for k, batch in enumerate(loader):
+        if k in (5, 199):
+            counts.append(len(os.listdir("/proc/self/fd")))
+    assert k == 199
+    assert counts[1] <= counts[0] + 2, counts
+
+
+# -- faults -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_exception_in_getitem(persistent):
+    loader = PoolLoader(ds.FailingDataset(bad=5), batch_size=2, num_workers=2,
+                        persistent_workers=persistent)
+    for _attempt in range(2):  # the loader can be iterated again afterwards
+        got = []
+        with pytest.raises(KeyError) as info:
+            for batch in loader:
+                got.append(batch)
+        assert "Traceback" in str(info.value) and "bad sample 5" in str(info.value)
+        assert "in DataLoader worker process" in str(info.value)
+        assert len(got) == 2
+
+
+def test_exception_in_collate_and_init():
+    with pytest.raises(ValueError, match="collate exploded"):
+        next(iter(PoolLoader(ds.FailingDataset(), batch_size=2, num_workers=2,
+                             collate_fn=ds.failing_collate)))
+    with pytest.raises(OSError, match="init of worker 0 failed"):
+        next(iter(PoolLoader(ds.FailingDataset(), batch_size=2, num_workers=2,
+                             worker_init_fn=ds.failing_init)))
+
+
+def test_worker_sigkill_is_reported_quickly():
+    loader = PoolLoader(ds.PidDataset(), batch_size=2, num_workers=2)
+    it = iter(loader)
+    batch = next(it)
+    victim = int(batch[0, 1])
+    os.kill(victim, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerDied) as info:
+        for _ in it:
+            pass
+    elapsed = time.monotonic() - t0
+    assert elapsed < 3.0
+    assert f"pid {victim}" in str(info.value) and "SIGKILL" in str(info.value)
+    assert "worker 0" in str(info.value) or "worker 1" in str(info.value)
+
+
+def test_timeout_fires():
+    loader = PoolLoader(ds.SlowDataset(delay=3.0), batch_size=1, num_workers=1, timeout=0.5)
+    it = iter(loader)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="timed out after 0.5 seconds"):
+        next(it)
+    elapsed = time.monotonic() - t0
+    assert 0.45 <= elapsed < 2.5
+
+
+def test_slow_worker_without_timeout_is_waited_for():
+    loader = PoolLoader(ds.SlowDataset(n=2, delay=1.2), batch_size=1, num_workers=1)
+    assert [int(b) for b in loader] == [0, 1]
+
+
+def test_del_mid_epoch_cleans_up():
+    loader = PoolLoader(ds.PidDataset(n=100, delay=0.01), batch_size=2, num_workers=3)
+    it = iter(loader)
+    next(it)
+    pids = [w.pid for w in it._workers]
+    del it
+    gc.collect()
+    for pid in pids:
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
