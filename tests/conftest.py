@@ -1,0 +1,201 @@
+"""Checked cleanup for every test: no new /dev/shm name, no live child process.
+
+The autouse fixture snapshots /dev/shm and this process's live children before
+the test, and after it polls for up to SETTLE_S seconds (workers and spawned
+children take a moment to exit and unlink). Whatever is still there is reported
+as a teardown error, then cleaned up so one leak does not fail the tests after it:
+the new names starting with "pl" are unlinked, the new children are SIGKILLed by
+pid (never by name, never anything the test did not start).
+
+Children are found by scanning /proc/*/stat for our pid as ppid (the kernel here
+has no /proc/<pid>/task/<tid>/children). Zombies do not count: an exited child that
+multiprocessing has not reaped yet is not running anything. multiprocessing's own
+service processes (resource tracker, forkserver), which live for the whole session
+once started, are not counted either.
+
+Other processes on the same host (another pytest session, an xdist worker, a
+DataLoader run making and leaking torch_<pid>_* segments) also create names while
+a test runs. A new name is not blamed on the test when
+  * it is mapped or held open only by processes outside this process's tree
+    (found through /proc/*/maps and /proc/*/fd), or
+  * nobody holds it and its first number is a pid that is neither this process
+    nor a descendant seen during the test (`pltest-<pid>-`, `torch_<pid>_`).
+Everything else is blamed: a name this process or a descendant still holds, or
+an unheld one that names no pid or names ours. (Blind spot: an unheld name that
+carries the pid of a child which has already exited.)
+"""
+import gc
+import multiprocessing
+import os
+import re
+import signal
+import time
+import uuid
+
+import pytest
+
+SHM_DIR = "/dev/shm"
+SETTLE_S = 5.0
+_FIRST_NUMBER = re.compile(r"(?:^|[_.-])(\d+)(?:[_.-]|$)")
+
+
+def _shm_names():
+    try:
+        return set(os.listdir(SHM_DIR))
+    except FileNotFoundError:
+        return set()
+
+
+def _pids():
+    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
+
+
+def _process_table():
+    """{pid: (ppid, state)} of every process we can read."""
+    table = {}
+    for pid in _pids():
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # exited while we looked
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
+        fields = stat[stat.rfind(b")") + 2:].split()
+        table[pid] = (int(fields[1]), fields[0])
+    return table
+
+
+def _live_children(table=None):
+    """{pid: command} of this process's children that are not zombies."""
+    me = os.getpid()
+    table = _process_table() if table is None else table
+    return {pid: _command(pid) for pid, (ppid, state) in table.items()
+            if ppid == me and state not in (b"Z", b"X", b"x")}
+
+
+def _our_tree(table):
+    """This process and all its descendants."""
+    tree, grew = {os.getpid()}, True
+    while grew:
+        more = {pid for pid, (ppid, _) in table.items() if ppid in tree} - tree
+        tree |= more
+        grew = bool(more)
+    return tree
+
+
+def _holders(names):
+    """{name: pids that map /dev/shm/<name> or hold it open}."""
+    by_path = {os.path.join(SHM_DIR, name): name for name in names}
+    holders = {name: set() for name in names}
+    for pid in _pids():
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    at = line.find(SHM_DIR + "/")
+                    if at >= 0 and line[at:].rstrip("\n") in by_path:
+                        holders[by_path[line[at:].rstrip("\n")]].add(pid)
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target in by_path:
+                    holders[by_path[target]].add(pid)
+        except OSError:  # exited, or not ours to read
+            continue
+    return holders
+
+
+def _foreign(names, tree):
+    """The names among `names` that are another process's (see the module docstring).
+
+    `tree`: pids of this process and every descendant seen during the test.
+    """
+    foreign = set()
+    for name, pids in _holders(names).items():
+        if pids:
+            if not pids & tree:
+                foreign.add(name)
+        else:
+            number = _FIRST_NUMBER.search(name)
+            if number and int(number.group(1)) not in tree:
+                foreign.add(name)
+    return foreign
+
+
+def _command(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:200]
+    except OSError:
+        return "?"
+
+
+def _service_pids():
+    """multiprocessing's session-long helper processes, if started."""
+    from multiprocessing import forkserver, resource_tracker
+
+    pids = {getattr(resource_tracker._resource_tracker, "_pid", None),
+            getattr(forkserver._forkserver, "_forkserver_pid", None)}
+    return {pid for pid in pids if pid}
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_shm_or_children():
+    names_before = _shm_names()
+    table = _process_table()
+    children_before = set(_live_children(table))
+    tree = _our_tree(table)
+    yield
+    # A loader iterator kept alive by a reference cycle (an exception traceback
+    # holding its frame) shuts down when collected, as DataLoader's does.
+    gc.collect()
+    deadline = time.monotonic() + SETTLE_S
+    foreign = set()  # other processes' names, not this test's
+    while True:
+        multiprocessing.active_children()  # reaps multiprocessing children that exited
+        table = _process_table()
+        tree |= _our_tree(table)
+        new_names = _shm_names() - names_before - foreign
+        if new_names:
+            foreign |= _foreign(new_names, tree)
+            new_names = sorted(new_names - foreign)
+        new_children = {pid: cmd for pid, cmd in _live_children(table).items()
+                        if pid not in children_before and pid not in _service_pids()}
+        if not (new_names or new_children) or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    if not (new_names or new_children):
+        return
+
+    problems = []
+    if new_names:
+        removed = []
+        for name in new_names:
+            if name.startswith("pl"):
+                try:
+                    os.unlink(os.path.join(SHM_DIR, name))
+                    removed.append(name)
+                except FileNotFoundError:
+                    pass
+        problems.append(
+            f"left {len(new_names)} new name(s) in {SHM_DIR} after {SETTLE_S:.0f} s: "
+            f"{new_names} (unlinked: {removed})")
+    if new_children:
+        for pid in new_children:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        gone_by = time.monotonic() + 2.0
+        while time.monotonic() < gone_by and set(new_children) & set(_live_children()):
+            multiprocessing.active_children()
+            time.sleep(0.02)
+        listing = ", ".join(f"pid {pid} ({cmd})" for pid, cmd in new_children.items())
+        problems.append(
+            f"left {len(new_children)} live child process(es) after {SETTLE_S:.0f} s: "
+            f"{listing} (sent SIGKILL)")
+    pytest.fail("; ".join(problems), pytrace=False)
+
+
+@pytest.fixture
+def shm_name_prefix():
+    """A POSIX shm name prefix no other test (or parallel run) uses: `/pltest-<pid>-<rand>-`."""
+    return f"/pltest-{os.getpid()}-{uuid.uuid4().hex[:8]}-"
