@@ -1,0 +1,85 @@
+"""Shared-memory and process helpers for the tests (no pytest import: spawned
+children import this module, so it stays cheap to import).
+
+Ownership of a test segment: the test that calls `make_shared` owns the name and
+must `unlink_shared` it once every process that needs it has mapped it (a forked
+child inherits the mapping, so the name can go before the fork; a spawned child
+maps it by name, so the name goes after the child says it is attached). The
+conftest fixture fails any test that leaves the name behind.
+"""
+import contextlib
+import os
+import signal
+
+import posix_ipc
+
+from poolloader._shm import Mapping
+
+LINE = 64  # every shared object must start on a 64-byte boundary
+
+
+def align(nbytes, to=LINE):
+    """`nbytes` rounded up to a multiple of `to`."""
+    return (nbytes + to - 1) // to * to
+
+
+def layout(*sizes):
+    """Offsets for objects of `sizes` bytes packed into one segment, each on its own
+    64-byte line; returns (offsets, total_nbytes)."""
+    offsets, end = [], 0
+    for size in sizes:
+        offsets.append(end)
+        end = align(end + size)
+    return offsets, end
+
+
+def make_shared(nbytes, name):
+    """Create the POSIX segment `name` of `nbytes` (O_CREX: fails if it exists), map it.
+
+    Returns (Mapping, name). The descriptor is closed before returning; the name
+    stays until `unlink_shared(name)`.
+    """
+    shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=nbytes)
+    try:
+        mapping = Mapping(shm.fd, nbytes)
+    except BaseException:
+        shm.unlink()
+        raise
+    finally:
+        shm.close_fd()
+    return mapping, name
+
+
+def attach_shared(name, nbytes):
+    """Map an existing segment by name (what a spawned child does); no fd is kept."""
+    shm = posix_ipc.SharedMemory(name)
+    try:
+        return Mapping(shm.fd, nbytes)
+    finally:
+        shm.close_fd()
+
+
+def unlink_shared(name):
+    """Remove `name` from /dev/shm; True if it was there. Safe to call twice."""
+    try:
+        posix_ipc.unlink_shared_memory(name)
+    except posix_ipc.ExistentialError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def running(process, join_timeout=10.0):
+    """Start `process`; on exit join it with a timeout, then kill it by pid.
+
+    Never hangs and never leaves the child behind, whatever the test body raised.
+    Whether the child exited on its own is for the test to assert (exitcode).
+    """
+    process.start()
+    try:
+        yield process
+    finally:
+        process.join(join_timeout)
+        if process.is_alive():
+            os.kill(process.pid, signal.SIGKILL)
+            process.join(5.0)
