@@ -26,6 +26,7 @@
 #define POOLLOADER_RING_H
 
 #include <errno.h>
+#include <sched.h>
 #include <semaphore.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -133,6 +134,7 @@ static inline int pl_spin(sem_t *sem) {
 #endif
         }
         if (pl_now_ns() >= until) return 0;
+        sched_yield(); /* on a busy machine, let the peer run */
     }
 }
 
