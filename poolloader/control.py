@@ -20,6 +20,10 @@ the readers below; both sides use these functions only:
     64   doorbell             DOORBELL_BYTES
     A    slot table           max_slots × (generation u64, size u64)
     B    ack table            num_workers × max_slots u64: generation mapped by each worker
+    S    worker stats         num_workers × 4 u64, written by each worker for itself:
+           [0] batches produced  [1] ns producing (fetch + collate + encode)
+           [2] ns waiting for a request (idle: no free slot / consumer slow)
+           [3] reserved
     C    rings                per worker: request ring, done ring (capacity max_slots each)
 """
 from __future__ import annotations
@@ -46,7 +50,8 @@ class ControlLayout:
         self.doorbell = 64
         self.slot_table = _align(self.doorbell + DOORBELL_BYTES)
         self.ack_table = _align(self.slot_table + 16 * max_slots)
-        self.rings = _align(self.ack_table + 8 * num_workers * max_slots)
+        self.worker_stats = _align(self.ack_table + 8 * num_workers * max_slots)
+        self.rings = _align(self.worker_stats + 32 * num_workers)
         self.ring_bytes = _align(Ring.nbytes(max_slots))
         self.nbytes = _align(self.rings + 2 * num_workers * self.ring_bytes, 4096)
 
@@ -72,10 +77,14 @@ class Control:
         self.slot_table = np.ndarray((max_slots, 2), np.uint64, buffer=mapping, offset=lay.slot_table)
         # acks[w, s] = generation of slot s that worker w has mapped (0: none)
         self.acks = np.ndarray((num_workers, max_slots), np.uint64, buffer=mapping, offset=lay.ack_table)
+        # worker_stats[w] = (batches, producing ns, waiting ns, reserved)
+        self.worker_stats = np.ndarray((num_workers, 4), np.uint64, buffer=mapping,
+                                       offset=lay.worker_stats)
         if create:
             self.header[:] = 0
             self.slot_table[:] = 0
             self.acks[:] = 0
+            self.worker_stats[:] = 0
             self.header[H_WORKERS] = num_workers
             self.header[H_MAX_SLOTS] = max_slots
         self.doorbell = Doorbell(mapping, lay.doorbell, create=create)
@@ -95,6 +104,6 @@ class Control:
 
     def close_views(self) -> None:
         """Drop every view so the mapping can be unmapped."""
-        self.header = self.slot_table = self.acks = None
+        self.header = self.slot_table = self.acks = self.worker_stats = None
         self.doorbell = None
         self.request_rings = self.done_rings = []

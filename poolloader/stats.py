@@ -1,19 +1,28 @@
 """Counters a user reads to tell whether the loader is the bottleneck, and which side.
 
-Main-side counters are plain attributes updated on the iterator's own path
-(an add per batch, nothing measurable).
+Main-side counters are plain attributes updated on the iterator's own path (an
+add per batch). Worker-side counters live in the pool's control block, each
+worker writing only its own row; reading them sums a few integers.
 """
 from __future__ import annotations
 
 
 class LoaderStats:
-    """Live counters of one PoolLoader (across its iterators and epochs).
+    """Live counters of one PoolLoader, across its iterators and epochs.
 
-    batches       batches delivered to the consumer
-    main_wait_s   seconds next() spent blocked waiting for a worker
-    slot_growths  slots replaced by a bigger segment (a batch did not fit)
-    pool_growths  slots added because the consumer held every slot
-    slot_count, slot_bytes, pool_bytes: the pool now (0 before the first iteration)
+    batches          batches delivered to the consumer
+    main_wait_s      seconds next() spent blocked waiting for a worker
+                     (high: the workers are the bottleneck)
+    worker_busy_s    seconds workers spent producing batches (fetch, collate, write), summed
+    worker_idle_s    seconds workers spent waiting for a request, summed (high: the
+                     consumer, or a pool with too few free slots, is the bottleneck)
+    worker_batches   batches workers produced (includes prefetched ones)
+    slot_growths     slots replaced by a bigger segment (a batch did not fit)
+    pool_growths     slots added because the consumer held every slot
+    slot_count, slot_bytes, pool_bytes: the current pool (0 when none exists)
+
+    Worker counters cover the current pool only (a non-persistent loader makes a
+    new pool each epoch); main counters accumulate for the loader's lifetime.
     """
 
     def __init__(self) -> None:
@@ -26,23 +35,47 @@ class LoaderStats:
     def _attach(self, pool) -> None:
         self._pool = pool
 
+    def _live_pool(self):
+        pool = self._pool
+        return pool if pool is not None and pool.mappings and pool.control is not None else None
+
+    def _worker_column(self, column: int) -> int:
+        pool = self._live_pool()
+        return 0 if pool is None else int(pool.control.worker_stats[:, column].sum())
+
+    @property
+    def worker_batches(self) -> int:
+        return self._worker_column(0)
+
+    @property
+    def worker_busy_s(self) -> float:
+        return self._worker_column(1) / 1e9
+
+    @property
+    def worker_idle_s(self) -> float:
+        return self._worker_column(2) / 1e9
+
     @property
     def slot_count(self) -> int:
-        return self._pool.num_slots if self._pool is not None and self._pool.mappings else 0
+        pool = self._live_pool()
+        return 0 if pool is None else pool.num_slots
 
     @property
     def slot_bytes(self) -> int:
-        if self._pool is None or not self._pool.mappings:
-            return 0
-        return max(m.size for m in self._pool.mappings)
+        pool = self._live_pool()
+        return 0 if pool is None else max(m.size for m in pool.mappings)
 
     @property
     def pool_bytes(self) -> int:
-        return self._pool.total_bytes if self._pool is not None and self._pool.mappings else 0
+        pool = self._live_pool()
+        return 0 if pool is None else pool.total_bytes
 
     def as_dict(self) -> dict:
         return {
             "batches": self.batches, "main_wait_s": round(self.main_wait_s, 6),
+            "worker_batches": self.worker_batches,
+            "worker_busy_s": round(self.worker_busy_s, 6),
+            "worker_idle_s": round(self.worker_idle_s, 6),
             "slot_growths": self.slot_growths, "pool_growths": self.pool_growths,
             "slot_count": self.slot_count, "slot_bytes": self.slot_bytes,
             "pool_bytes": self.pool_bytes,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,6 +107,8 @@ def worker_loop(cfg: WorkerConfig) -> None:
         iteration_end = False
         pending: dict[int, tuple[Any, int]] = {}  # slot -> (payload, status) awaiting a bigger slot
 
+        my_stats = control.worker_stats[cfg.worker_id]
+        idle_since = time.perf_counter_ns()
         while True:
             try:
                 slot = request_ring.pop(timeout=WORKER_TICK)
@@ -117,6 +120,8 @@ def worker_loop(cfg: WorkerConfig) -> None:
                 continue
             except RingClosed:
                 return
+            busy_since = time.perf_counter_ns()
+            my_stats[2] += busy_since - idle_since
             slots.sync()
             mapping = slots.mapping(slot)
             header = fmt.header_view(mapping)
@@ -158,6 +163,9 @@ def worker_loop(cfg: WorkerConfig) -> None:
             else:
                 _publish(writer, mapping, header, slot, payload, status, pending, cfg.worker_id, fresh)
             del payload
+            idle_since = time.perf_counter_ns()
+            my_stats[0] += 1
+            my_stats[1] += idle_since - busy_since
             done_ring.push(slot, timeout=None)
             doorbell.ring()
     except KeyboardInterrupt:

@@ -1,0 +1,40 @@
+"""LoaderStats: plausible counters that answer "which side is the bottleneck?"."""
+import time
+
+import loader_datasets as ds
+from poolloader import PoolLoader
+
+
+def run(delay, consumer_delay):
+    loader = PoolLoader(ds.SlowDataset(n=24, delay=delay), batch_size=2, num_workers=2,
+                        persistent_workers=True)
+    for _ in loader:
+        time.sleep(consumer_delay)
+    stats = loader.stats.as_dict()
+    del loader
+    return stats
+
+
+def test_slow_workers_show_as_main_waiting_and_slow_consumer_as_worker_idle():
+    slow_workers = run(delay=0.05, consumer_delay=0.0)
+    slow_consumer = run(delay=0.0, consumer_delay=0.05)
+    for stats in (slow_workers, slow_consumer):
+        assert stats["batches"] == 12 and stats["worker_batches"] == 12
+        assert stats["slot_count"] >= 6 and stats["slot_bytes"] >= 1 << 20
+    # 24 samples × 50 ms over 2 workers ≈ 0.6 s of work; main waits for most of it
+    assert slow_workers["worker_busy_s"] > 0.9
+    assert slow_workers["main_wait_s"] > 0.3
+    assert slow_workers["main_wait_s"] > 5 * slow_consumer["main_wait_s"]
+    # a slow consumer leaves the workers idle
+    assert slow_consumer["worker_idle_s"] > 0.5
+    assert slow_consumer["worker_idle_s"] > 5 * slow_workers["worker_idle_s"]
+
+
+def test_growth_counters():
+    loader = PoolLoader(ds.BigDataset(n=12), batch_size=3, collate_fn=ds.pad_collate,
+                        num_workers=1, slot_bytes=70_000)
+    for _ in loader:
+        pass
+    assert loader.stats.slot_growths >= 1
+    assert loader.stats.pool_growths == 0
+    assert loader.stats.slot_count == 0  # the pool is gone after a non-persistent epoch
