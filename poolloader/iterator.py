@@ -88,9 +88,22 @@ class PoolLoaderIter(_BaseDataLoaderIter):
         self._in_order = loader.in_order
         self._stats: LoaderStats = loader.stats
         self._gate = None
-        if self._pin_memory:
+        self._stager = None
+        self._staged = None
+        self._host_done = False
+        self._deferred_error = None
+        device = getattr(loader, "device", None)
+        if device is not None and torch.device(device).type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"device={device!r} needs CUDA, which this machine does not have; "
+                                 "pass device=None (or 'cpu')")
+            self._pin_memory = True  # copies go straight from the registered slots
+        if self._pin_memory and torch.cuda.is_available():
             from poolloader.cuda import SlotGate
             self._gate = SlotGate()
+        if device is not None:
+            from poolloader.cuda import DeviceStager
+            self._stager = DeviceStager(device)
         n = self._num_workers
         slots = loader.slots if loader.slots is not None else n * self._prefetch_factor + SPARE_SLOTS
         max_slots = loader.max_slots if loader.max_slots is not None else max(2 * slots, slots + 8)
@@ -137,6 +150,9 @@ class PoolLoaderIter(_BaseDataLoaderIter):
     # -- epochs --------------------------------------------------------------
     def _reset(self, loader, first_iter=False) -> None:
         super()._reset(loader, first_iter)
+        self._staged = None
+        self._host_done = False
+        self._deferred_error = None
         if not first_iter:
             self._reclaim_all()
             self._epoch += 1
@@ -344,6 +360,28 @@ class PoolLoaderIter(_BaseDataLoaderIter):
 
     # -- delivery -------------------------------------------------------------------
     def _next_data(self):
+        if self._stager is None:
+            return self._next_host()
+        # device=: keep one batch copying on the side stream while the consumer
+        # works on the previous one.
+        if self._staged is None:
+            if self._deferred_error is not None:
+                error, self._deferred_error = self._deferred_error, None
+                raise error
+            if self._host_done:
+                raise StopIteration
+            self._staged = self._stager.stage(self._next_host())
+        ticket = self._staged
+        self._staged = None
+        try:
+            self._staged = self._stager.stage(self._next_host())
+        except StopIteration:
+            self._host_done = True
+        except Exception as error:  # delivered after the batch already copied
+            self._deferred_error = error
+        return self._stager.deliver(ticket)
+
+    def _next_host(self):
         while True:
             self._pay_debt(force=False)
             while self._rcvd_idx < self._send_idx:

@@ -29,6 +29,9 @@ class PoolLoader(DataLoader[T_co]):
       shm_limit   cap in bytes on the pool's shared memory (also the
                   POOLLOADER_SHM_LIMIT environment variable); None: /dev/shm's
                   free space is the only limit.
+      device      e.g. "cuda": the loader copies each batch to this device itself,
+                  on a side stream one batch ahead, from the page-locked slots,
+                  and yields device tensors safe to use on the current stream.
     Nothing is created until the loader is iterated. `stats` holds counters.
     """
 
@@ -37,7 +40,7 @@ class PoolLoader(DataLoader[T_co]):
                  worker_init_fn=None, multiprocessing_context=None, generator=None, *,
                  prefetch_factor=None, persistent_workers=False, pin_memory_device="",
                  in_order=True, slot_bytes=DEFAULT_SLOT_BYTES, slots=None, max_slots=None,
-                 shm_limit=None):
+                 shm_limit=None, device=None):
         super().__init__(
             dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
             batch_sampler=batch_sampler, num_workers=num_workers, collate_fn=collate_fn,
@@ -53,6 +56,7 @@ class PoolLoader(DataLoader[T_co]):
         self.slots = slots
         self.max_slots = max_slots
         self.shm_limit = shm_limit
+        self.device = device
         self.stats = LoaderStats()
 
     def _get_iterator(self):

@@ -174,9 +174,7 @@ class CocoLikeDataset(Dataset):
         self.images = sorted((im["id"], im["file_name"]) for im in coco["images"])
         self.annotations = {image_id: [] for image_id, _ in self.images}
         for ann in coco["annotations"]:
-            self.annotations[ann["image_id"]].append((
-                ann["bbox"], ann["category_id"], ann["area"], ann.get("iscrowd", 0),
-                ann.get("segmentation", []), ann.get("keypoints", [])))
+            self.annotations[ann["image_id"]].append(annotation_record(ann))
 
     def __len__(self) -> int:
         return len(self.images)
@@ -185,62 +183,88 @@ class CocoLikeDataset(Dataset):
         image_id, file_name = self.images[index]
         with Image.open(os.path.join(self.root, file_name)) as f:
             img = f.convert("RGB")
-        width, height = img.size
-        flip = self.augment and random.random() < 0.5
-        side = random.choice(self.multiscale) if self.multiscale else self.resolution
-        if flip:
-            img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-        img = img.resize((side, side), Image.Resampling.BILINEAR)
+        return build_sample(img, image_id, self.annotations[image_id],
+                            resolution=self.resolution, masks=self.masks,
+                            multiscale=self.multiscale, augment=self.augment,
+                            keypoints=self.keypoints)
 
-        anns = [a for a in self.annotations[image_id] if a[0][2] > 0 and a[0][3] > 0]
-        n = len(anns)
-        xyxy = np.zeros((n, 4), np.float64)
-        for j, (bbox, *_rest) in enumerate(anns):
-            x, y, w, h = bbox
-            xyxy[j] = (max(0.0, x), max(0.0, y), min(width, x + w), min(height, y + h))
-        if flip:
-            xyxy[:, [0, 2]] = width - xyxy[:, [2, 0]]
-        scale = np.asarray([width, height, width, height], np.float64)
-        cxcywh = np.stack([(xyxy[:, 0] + xyxy[:, 2]) / 2, (xyxy[:, 1] + xyxy[:, 3]) / 2,
-                           xyxy[:, 2] - xyxy[:, 0], xyxy[:, 3] - xyxy[:, 1]], axis=1) / scale
-        ratio = (side / width) * (side / height)
-        target = {
-            "boxes": torch.from_numpy(cxcywh.astype(np.float32).reshape(n, 4)),
-            "labels": torch.tensor([a[1] for a in anns], dtype=torch.int64),
-            "image_id": torch.tensor([image_id], dtype=torch.int64),
-            "area": torch.tensor([a[2] * ratio for a in anns], dtype=torch.float32),
-            "iscrowd": torch.tensor([a[3] for a in anns], dtype=torch.int64),
-            "orig_size": torch.tensor([height, width], dtype=torch.int64),
-            "size": torch.tensor([side, side], dtype=torch.int64),
-        }
-        if self.masks:
-            target["masks"] = self._rasterise(anns, width, height, side, flip)
-        if self.keypoints:
-            kps = np.zeros((n, KEYPOINTS, 3), np.float32)
-            for j, ann in enumerate(anns):
-                if ann[5]:
-                    kps[j] = np.asarray(ann[5], np.float32).reshape(KEYPOINTS, 3)
-            if flip:
-                kps[:, :, 0] = np.where(kps[:, :, 2] > 0, width - kps[:, :, 0], 0.0)
-            kps[:, :, 0] /= width
-            kps[:, :, 1] /= height
-            target["keypoints"] = torch.from_numpy(kps)
-        return _to_normalised_tensor(img), target
 
-    @staticmethod
-    def _rasterise(anns, width, height, side, flip) -> torch.Tensor:
-        masks = np.zeros((len(anns), side, side), bool)
-        sx, sy = side / width, side / height
+def annotation_record(ann: dict) -> tuple:
+    """One COCO annotation dict as the tuple `build_sample` reads:
+    (bbox, category_id, area, iscrowd, segmentation, keypoints)."""
+    return (ann["bbox"], ann["category_id"], ann["area"], ann.get("iscrowd", 0),
+            ann.get("segmentation", []), ann.get("keypoints", []))
+
+
+def build_sample(img: Image.Image, image_id: int, anns, *, resolution: int = 576,
+                 masks: bool = False, multiscale=None, augment: bool = True,
+                 keypoints: bool = False):
+    """`(image, target)` exactly as `CocoLikeDataset.__getitem__` builds it.
+
+    `img`: the decoded RGB image at its original size; `anns`: that image's
+    annotations as `annotation_record` tuples. Draws from Python's `random`
+    in the same order as the dataset (flip, then the multiscale side), so any
+    reader of the same bytes and annotations (tar shards, see
+    `poolloader.shards.decode_sample`) gives the same tensors bit for bit for
+    the same RNG state.
+    """
+    multiscale = tuple(int(s) for s in multiscale) if multiscale else None
+    width, height = img.size
+    flip = augment and random.random() < 0.5
+    side = random.choice(multiscale) if multiscale else int(resolution)
+    if flip:
+        img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    img = img.resize((side, side), Image.Resampling.BILINEAR)
+
+    anns = [a for a in anns if a[0][2] > 0 and a[0][3] > 0]
+    n = len(anns)
+    xyxy = np.zeros((n, 4), np.float64)
+    for j, (bbox, *_rest) in enumerate(anns):
+        x, y, w, h = bbox
+        xyxy[j] = (max(0.0, x), max(0.0, y), min(width, x + w), min(height, y + h))
+    if flip:
+        xyxy[:, [0, 2]] = width - xyxy[:, [2, 0]]
+    scale = np.asarray([width, height, width, height], np.float64)
+    cxcywh = np.stack([(xyxy[:, 0] + xyxy[:, 2]) / 2, (xyxy[:, 1] + xyxy[:, 3]) / 2,
+                       xyxy[:, 2] - xyxy[:, 0], xyxy[:, 3] - xyxy[:, 1]], axis=1) / scale
+    ratio = (side / width) * (side / height)
+    target = {
+        "boxes": torch.from_numpy(cxcywh.astype(np.float32).reshape(n, 4)),
+        "labels": torch.tensor([a[1] for a in anns], dtype=torch.int64),
+        "image_id": torch.tensor([image_id], dtype=torch.int64),
+        "area": torch.tensor([a[2] * ratio for a in anns], dtype=torch.float32),
+        "iscrowd": torch.tensor([a[3] for a in anns], dtype=torch.int64),
+        "orig_size": torch.tensor([height, width], dtype=torch.int64),
+        "size": torch.tensor([side, side], dtype=torch.int64),
+    }
+    if masks:
+        target["masks"] = _rasterise(anns, width, height, side, flip)
+    if keypoints:
+        kps = np.zeros((n, KEYPOINTS, 3), np.float32)
         for j, ann in enumerate(anns):
-            canvas = Image.new("L", (side, side), 0)
-            draw = ImageDraw.Draw(canvas)
-            for poly in ann[4]:
-                pts = np.asarray(poly, np.float64).reshape(-1, 2)
-                if flip:
-                    pts[:, 0] = width - pts[:, 0]
-                draw.polygon([(x * sx, y * sy) for x, y in pts], fill=1)
-            masks[j] = np.asarray(canvas, dtype=bool)
-        return torch.from_numpy(masks)
+            if ann[5]:
+                kps[j] = np.asarray(ann[5], np.float32).reshape(KEYPOINTS, 3)
+        if flip:
+            kps[:, :, 0] = np.where(kps[:, :, 2] > 0, width - kps[:, :, 0], 0.0)
+        kps[:, :, 0] /= width
+        kps[:, :, 1] /= height
+        target["keypoints"] = torch.from_numpy(kps)
+    return _to_normalised_tensor(img), target
+
+
+def _rasterise(anns, width, height, side, flip) -> torch.Tensor:
+    masks = np.zeros((len(anns), side, side), bool)
+    sx, sy = side / width, side / height
+    for j, ann in enumerate(anns):
+        canvas = Image.new("L", (side, side), 0)
+        draw = ImageDraw.Draw(canvas)
+        for poly in ann[4]:
+            pts = np.asarray(poly, np.float64).reshape(-1, 2)
+            if flip:
+                pts[:, 0] = width - pts[:, 0]
+            draw.polygon([(x * sx, y * sy) for x, y in pts], fill=1)
+        masks[j] = np.asarray(canvas, dtype=bool)
+    return torch.from_numpy(masks)
 
 
 class FilledDetectionDataset(Dataset):

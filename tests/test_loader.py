@@ -322,3 +322,26 @@ def test_del_mid_epoch_cleans_up():
     gc.collect()
     for pid in pids:
         assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+
+
+def test_device_cpu_delivery_keeps_order_and_errors():
+    parity(ds.AugmentDataset(n=14), batch_size=3, num_workers=2, shuffle=True, generator_seed=2)
+    loader = PoolLoader(ds.AugmentDataset(n=14), batch_size=3, num_workers=2, device="cpu",
+                        persistent_workers=True)
+    for _epoch in range(2):
+        assert [b["index"].tolist()[0] for b in loader] == [0, 3, 6, 9, 12]
+    # an error met while looking one batch ahead is raised after the batch before it
+    got = []
+    with pytest.raises(KeyError, match="bad sample 5"):
+        for b in PoolLoader(ds.FailingDataset(bad=5), batch_size=2, num_workers=2, device="cpu"):
+            got.append(b.tolist())
+    assert got == [[[0] * 4, [1] * 4], [[2] * 4, [3] * 4]]
+
+
+def test_pin_memory_without_cuda_warns_and_behaves_as_dataloader():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.warns(UserWarning, match="no accelerator is found"):
+        batches = list(PoolLoader(ds.FailingDataset(bad=99), batch_size=4, num_workers=2,
+                                  pin_memory=True))
+    assert all(not b.is_pinned() for b in batches) and len(batches) == 3

@@ -1,0 +1,50 @@
+"""CUDA paths: registered slots, async copies gated by events, device= delivery.
+
+Skipped on machines without CUDA (the CPU paths of pin_memory and device= are in
+test_loader.py). bench/gpu.py runs the heavier checks on a GPU machine.
+"""
+import pytest
+import torch
+
+import loader_datasets as ds
+from poolloader import PoolLoader
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def test_slots_are_pinned_and_copies_are_exact():
+    loader = PoolLoader(ds.AugmentDataset(n=20), batch_size=4, num_workers=2, pin_memory=True)
+    for batch in loader:
+        assert batch["image"].is_pinned()
+        dev = batch["image"].to("cuda", non_blocking=True)
+        torch.cuda.synchronize()
+        assert torch.equal(dev.cpu(), batch["image"])
+
+
+def test_reuse_waits_for_inflight_copies():
+    # a tiny pool and a slow consumer stream: every slot is reused while copies are queued
+    data = ds.RFDETRShaped(n=48, hw=256)
+    ref = [b for b in torch.utils.data.DataLoader(data, batch_size=4, collate_fn=ds.rfdetr_collate)]
+    loader = PoolLoader(data, batch_size=4, collate_fn=ds.rfdetr_collate, num_workers=2,
+                        pin_memory=True, slots=2, prefetch_factor=1)
+    stream = torch.cuda.Stream()
+    outs = []
+    with torch.cuda.stream(stream):
+        for batch in loader:
+            torch.cuda._sleep(2_000_000)  # keep the stream busy so copies lag behind
+            outs.append(batch[0].to("cuda", non_blocking=True))
+            del batch
+    torch.cuda.synchronize()
+    for got, want in zip(outs, ref):
+        assert torch.equal(got.cpu(), want[0])
+
+
+def test_device_delivery():
+    data = ds.RFDETRShaped(n=16, hw=128)
+    ref = [b for b in torch.utils.data.DataLoader(data, batch_size=4, collate_fn=ds.rfdetr_collate)]
+    loader = PoolLoader(data, batch_size=4, collate_fn=ds.rfdetr_collate, num_workers=2,
+                        device="cuda")
+    for got, want in zip(loader, ref):
+        assert got[0].is_cuda and got[2][0]["boxes"].is_cuda
+        assert torch.equal(got[0].cpu(), want[0])
+        assert torch.equal(got[2][3]["labels"].cpu(), want[2][3]["labels"])
