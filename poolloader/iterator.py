@@ -1,6 +1,6 @@
 """The main side of PoolLoader: requests, reorder buffer, leases, growth, liveness.
 
-It subclasses torch's `_BaseDataLoaderIter`, so the sampler, base seed, length
+It builds on torch's `_BaseDataLoaderIter`, so the sampler, base seed, length
 and IterableDataset warnings are DataLoader's own; request scheduling mirrors
 `_MultiProcessingDataLoaderIter` call for call (same round-robin, same
 prefetch, same in-order and `in_order=False` rules), so batches are assigned to
@@ -30,7 +30,7 @@ import weakref
 
 import torch
 from torch._utils import ExceptionWrapper
-from torch.utils.data.dataloader import _BaseDataLoaderIter
+from torch.utils.data.dataloader import _BaseDataLoaderIter, _MultiProcessingDataLoaderIter
 
 from poolloader import slot_format as fmt
 from poolloader.errors import PoolExhausted, SlotCorrupt, WorkerDied
@@ -78,9 +78,14 @@ def _describe_exit(code) -> str:
     return f"exit code {code}"
 
 
-class PoolLoaderIter(_BaseDataLoaderIter):
+class PoolLoaderIter(_MultiProcessingDataLoaderIter):
+    """Frameworks recognise DataLoader's multi-process iterator by class (Lightning
+    shuts its workers down only if isinstance(it, _MultiProcessingDataLoaderIter)),
+    so this is one; its queue-based __init__ is skipped and every method that
+    touches queues, pin threads or workers is replaced below."""
+
     def __init__(self, loader) -> None:
-        super().__init__(loader)
+        _BaseDataLoaderIter.__init__(self, loader)
         self._shutdown = True  # until workers exist there is nothing to shut down
         self._workers = []
         self._pool = None
@@ -149,7 +154,7 @@ class PoolLoaderIter(_BaseDataLoaderIter):
 
     # -- epochs --------------------------------------------------------------
     def _reset(self, loader, first_iter=False) -> None:
-        super()._reset(loader, first_iter)
+        _BaseDataLoaderIter._reset(self, loader, first_iter)
         self._staged = None
         self._host_done = False
         self._deferred_error = None

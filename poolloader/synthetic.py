@@ -6,6 +6,9 @@
 * `CocoLikeDataset` reads them the way RF-DETR's COCO pipeline does: Pillow
   decode, random horizontal flip, square resize, ImageNet normalisation, and a
   target dict with RF-DETR's fields and dtypes (optionally masks and keypoints).
+* `build_sample` is that per-image transform on its own (decoded image +
+  annotation records -> `(image, target)`), shared with the tar-shard reader
+  (`poolloader.shards.decode_sample`) so both give the same tensors.
 * `FilledDetectionDataset` returns the same structure from cheap deterministic
   tensors, for measuring the worker-to-main hand-off without decode cost.
 
