@@ -10,10 +10,16 @@ would not follow it).
 
 Names: /pl-<owner pid>-<token>-ctl for the control block and
 /pl-<owner pid>-<token>-s<slot>-g<generation> for slots.
+
+Main's segments are mapped with MADV_DONTFORK, so a child forked later (any
+loader's workers) does not inherit them, but it does inherit the Python objects
+that point at them. The child's cyclic GC must never finalise those (see
+_freeze_inherited_objects).
 """
 from __future__ import annotations
 
 import errno
+import gc
 import os
 import re
 import secrets
@@ -28,6 +34,25 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 SHM_DIR = "/dev/shm"
 SHM_LIMIT_ENV = "POOLLOADER_SHM_LIMIT"
 _NAME_RE = re.compile(r"^pl-(\d+)-([0-9a-f]+)-")
+_made_dontfork = False  # this process has mapped a segment with MADV_DONTFORK
+
+
+def _freeze_inherited_objects() -> None:
+    """After fork, in the child: exclude every inherited object from the cyclic GC.
+
+    An iterator or pool that was garbage (in a reference cycle, e.g. through a
+    re-raised worker exception's traceback) when its process forked is garbage in
+    the child too, and the child's GC would finalise it there: its __del__ closes
+    rings in a control block the child has not mapped (SIGSEGV), and its Mapping's
+    dealloc munmaps an address range the child may since have used for something
+    else (its own slots, malloc or Python arenas). Frozen, such objects are simply
+    never collected in the child; what the child creates itself is collected as usual.
+    """
+    if _made_dontfork:
+        gc.freeze()
+
+
+os.register_at_fork(after_in_child=_freeze_inherited_objects)
 
 
 def page_round(nbytes: int) -> int:
@@ -99,6 +124,8 @@ def create_segment(name: str, nbytes: int, what: str, pool_bytes: int, limit: in
             "Raise the cap, or lower slot_bytes, prefetch_factor or num_workers.")
     if nbytes > free:
         raise _space_error(nbytes, free, what)
+    global _made_dontfork
+    _made_dontfork = _made_dontfork or dontfork
     shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=nbytes)
     try:
         try:
@@ -116,13 +143,15 @@ def create_segment(name: str, nbytes: int, what: str, pool_bytes: int, limit: in
         shm.close_fd()
 
 
-def open_segment(name: str, nbytes: int) -> Mapping:
-    """Map an existing segment by name (worker side); the descriptor is closed at once."""
+def open_segment(name: str) -> Mapping:
+    """Map all of an existing segment by name (worker side); the descriptor is closed at once.
+
+    The size comes from the segment itself, not from the control block: main may be
+    rewriting a slot's table row while a worker reads it.
+    """
     shm = posix_ipc.SharedMemory(name)
     try:
-        if shm.size < nbytes:
-            raise ValueError(f"internal error: segment {name} has {shm.size} bytes, expected {nbytes}")
-        return Mapping(shm.fd, nbytes)
+        return Mapping(shm.fd, shm.size)
     finally:
         shm.close_fd()
 
@@ -250,8 +279,8 @@ class SlotPool:
             self._on_map(mapping)
         self.mappings[slot] = mapping
         self.generations[slot] = generation
-        self.control.slot_table[slot, 0] = generation
         self.control.slot_table[slot, 1] = nbytes
+        self.control.slot_table[slot, 0] = generation  # last: readers key on it
 
     def _bump(self) -> None:
         self.control.header[H_GROWTH] = int(self.control.header[H_GROWTH]) + 1
@@ -342,7 +371,7 @@ class WorkerSlots:
             have = self.mappings.get(slot)
             if have is None or have[0] != generation:
                 try:
-                    mapping = open_segment(slot_name(self.prefix, slot, generation), int(table[slot, 1]))
+                    mapping = open_segment(slot_name(self.prefix, slot, generation))
                 except posix_ipc.ExistentialError:
                     # main replaced it again meanwhile; a later sync maps the newer one
                     self._seen_growth = -1
