@@ -67,6 +67,34 @@ def _release(queue: collections.deque, slot: int, _ref) -> None:
     queue.append(slot)
 
 
+# Start methods whose Popen.poll() uses waitpid, not the sentinel pipe.
+_WAITPID_POPENS = ("multiprocessing.popen_fork", "multiprocessing.popen_spawn_posix")
+
+
+def _release_pipes(process) -> None:
+    """Close the two pipe ends multiprocessing keeps in the parent for each fork or
+    spawn child. They serve only Process.join(timeout) and the child's
+    parent_process(), neither of which poolloader uses (liveness is waitpid,
+    parent death is getppid), and they would make main's descriptors grow with
+    num_workers: 32 workers would need 64 (invariant 2). Forkserver children
+    keep theirs: their exit code arrives through it."""
+    popen = process._popen
+    if type(popen).__module__ in _WAITPID_POPENS and getattr(popen, "finalizer", None):
+        popen.finalizer()
+        popen.sentinel = None
+        process._sentinel = None
+
+
+def _join_all(processes, timeout: float) -> None:
+    """Wait up to `timeout` s in all for the processes to exit (waitpid polling,
+    since their sentinel pipes may be closed)."""
+    deadline = time.monotonic() + timeout
+    pause = 0.001
+    while any(p.is_alive() for p in processes) and time.monotonic() < deadline:
+        time.sleep(pause)
+        pause = min(pause * 2, 0.02)
+
+
 def _describe_exit(code) -> str:
     if code is None:
         return "no exit code"
@@ -114,7 +142,8 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         max_slots = loader.max_slots if loader.max_slots is not None else max(2 * slots, slots + 8)
         if slots < 1 or max_slots < slots:
             raise ValueError(f"need 1 <= slots <= max_slots, got slots={slots}, max_slots={max_slots}")
-        slot_bytes = max(loader.slot_bytes, fmt.MIN_SLOT_BYTES)
+        # a previous pool of this loader already learned how big batches are
+        slot_bytes = max(loader.slot_bytes, loader.stats.learned_slot_bytes, fmt.MIN_SLOT_BYTES)
         self._released: collections.deque = collections.deque()
         self._leases: dict[int, weakref.ref] = {}
         self._inflight: dict[int, tuple[int, int]] = {}  # slot -> (seq, worker)
@@ -144,6 +173,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                 w = ctx.Process(target=worker_loop, args=(cfg,), daemon=True)
                 w.start()
                 self._workers.append(w)
+                _release_pipes(w)
             with _live_lock:
                 _live_iterators.add(self)
             self._stats._attach(self._pool)
@@ -475,21 +505,21 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         try:
             for ring in getattr(self, "_request_rings", ()):
                 ring.close()
-            deadline = time.monotonic() + JOIN_TIMEOUT
-            for w in self._workers:
-                w.join(max(0.0, deadline - time.monotonic()))
+            _join_all(self._workers, JOIN_TIMEOUT)
         finally:
             for w in self._workers:
                 if w.is_alive():
                     w.terminate()
-                    w.join(1.0)
+            _join_all(self._workers, 1.0)
+            for w in self._workers:
                 if w.is_alive():
                     w.kill()
-                    w.join(1.0)
+            _join_all(self._workers, 1.0)
             self._request_rings = self._done_rings = ()
             self._doorbell = None
             self._headers.clear()
             if self._pool is not None:
+                self._stats._detach(self._pool)
                 self._pool.close()
             if self._gate is not None:
                 self._gate.close()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import zlib
 
 import numpy as np
 import torch
@@ -43,7 +44,8 @@ HEADER_FIELDS = 16
  F_SKELETON_LEN,   # its length in bytes
  F_NEEDED,         # ST_GROW: slot bytes the payload needs
  F_SLOT_SIZE,      # the slot size the writer saw
- ) = range(11)
+ F_SKELETON_CRC,   # zlib.crc32 of the skeleton: a torn or stray write never reaches pickle
+ ) = range(12)
 REQUEST_OFF = HEADER_FIELDS * 8
 DATA_OFF = 65536
 REQUEST_MAX = DATA_OFF - REQUEST_OFF
@@ -247,6 +249,7 @@ def encode(writer: SlotWriter, header: np.ndarray, payload, status: int) -> None
     if needed > writer.limit:
         raise NeedsGrow(needed)
     writer.np_u8[skel_off:needed] = np.frombuffer(skeleton, np.uint8)
+    header[F_SKELETON_CRC] = zlib.crc32(skeleton)
     header[F_DATA_LEN] = data_len
     header[F_SKELETON_OFF] = skel_off
     header[F_SKELETON_LEN] = len(skeleton)
@@ -258,6 +261,23 @@ def encode(writer: SlotWriter, header: np.ndarray, payload, status: int) -> None
 # ---------------------------------------------------------------------------
 # main side: decode views
 
+def _rebuild_sparse_checked(layout, data):
+    """torch._utils._rebuild_sparse_tensor, validated at once.
+
+    torch's version defers validation to a module-level list that only
+    torch.load drains: under this unpickler the list would keep every sparse
+    tensor, and so its slot, alive forever. Its indices are views of the slot,
+    so an unchecked index could also reach outside the tensor: check always.
+    """
+    if layout == torch.sparse_coo:
+        indices, values, size, *rest = data
+        return torch.sparse_coo_tensor(indices, values, size, check_invariants=True,
+                                       is_coalesced=rest[0] if rest else None)
+    compressed_indices, plain_indices, values, size = data
+    return torch.sparse_compressed_tensor(compressed_indices, plain_indices, values, size,
+                                          layout=layout, check_invariants=True)
+
+
 class _SkeletonUnpickler(pickle.Unpickler):
     def __init__(self, file, data: np.ndarray, data_end: int):
         super().__init__(file)
@@ -266,6 +286,11 @@ class _SkeletonUnpickler(pickle.Unpickler):
         self.base = None
         self.typed = [None] * _NUM_DTYPES
         self.views = 0
+
+    def find_class(self, module, name):
+        if name == "_rebuild_sparse_tensor" and module == "torch._utils":
+            return _rebuild_sparse_checked
+        return super().find_class(module, name)
 
     def persistent_load(self, pid):
         # Hot path: one call per tensor of the batch. Every field a worker wrote
@@ -352,6 +377,10 @@ def decode(mapping, header: np.ndarray):
     data = np.frombuffer(mapping, np.uint8, count=data_len, offset=DATA_OFF) if data_len else \
         np.frombuffer(mapping, np.uint8, count=64, offset=DATA_OFF)[:0]
     skeleton = bytes(memoryview(mapping)[skel_off:skel_off + skel_len])
+    crc = zlib.crc32(skeleton)
+    if crc != int(header[F_SKELETON_CRC]):
+        raise SlotCorrupt(f"slot skeleton checksum {crc:#010x} does not match the header's "
+                          f"{int(header[F_SKELETON_CRC]):#010x} ({skel_len} bytes at {skel_off})")
     unpickler = _SkeletonUnpickler(io.BytesIO(skeleton), data, DATA_OFF + data_len)
     try:
         payload = unpickler.load()

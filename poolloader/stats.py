@@ -21,8 +21,10 @@ class LoaderStats:
     pool_growths     slots added because the consumer held every slot
     slot_count, slot_bytes, pool_bytes: the current pool (0 when none exists)
 
-    Worker counters cover the current pool only (a non-persistent loader makes a
-    new pool each epoch); main counters accumulate for the loader's lifetime.
+    Every counter accumulates over the loader's lifetime (a non-persistent loader
+    makes a new pool each epoch; the pool's worker counters are added up when it
+    closes). `learned_slot_bytes` is the largest slot size any pool needed: the
+    next pool starts there instead of growing again.
     """
 
     def __init__(self) -> None:
@@ -30,10 +32,21 @@ class LoaderStats:
         self.main_wait_s = 0.0
         self.slot_growths = 0
         self.pool_growths = 0
+        self.learned_slot_bytes = 0
+        self._closed_workers = [0, 0, 0]  # worker columns of pools already closed
         self._pool = None
 
     def _attach(self, pool) -> None:
         self._pool = pool
+
+    def _detach(self, pool) -> None:
+        """Called by the iterator before it closes `pool`."""
+        if pool.control is not None:
+            for column in range(3):
+                self._closed_workers[column] += int(pool.control.worker_stats[:, column].sum())
+        self.learned_slot_bytes = max(self.learned_slot_bytes, pool.target_bytes)
+        if self._pool is pool:
+            self._pool = None
 
     def _live_pool(self):
         pool = self._pool
@@ -41,7 +54,8 @@ class LoaderStats:
 
     def _worker_column(self, column: int) -> int:
         pool = self._live_pool()
-        return 0 if pool is None else int(pool.control.worker_stats[:, column].sum())
+        live = 0 if pool is None else int(pool.control.worker_stats[:, column].sum())
+        return self._closed_workers[column] + live
 
     @property
     def worker_batches(self) -> int:

@@ -164,7 +164,8 @@ def worker_loop(cfg: WorkerConfig) -> None:
                 _publish(writer, mapping, header, slot, payload, status, pending, cfg.worker_id, fresh)
             del payload
             idle_since = time.perf_counter_ns()
-            my_stats[0] += 1
+            if status != fmt.ST_END and slot not in pending:
+                my_stats[0] += 1  # a batch (or error) published, not a request to grow
             my_stats[1] += idle_since - busy_since
             done_ring.push(slot, timeout=None)
             doorbell.ring()

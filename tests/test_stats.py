@@ -38,3 +38,9 @@ def test_growth_counters():
     assert loader.stats.slot_growths >= 1
     assert loader.stats.pool_growths == 0
     assert loader.stats.slot_count == 0  # the pool is gone after a non-persistent epoch
+    grown, learned = loader.stats.slot_growths, loader.stats.learned_slot_bytes
+    assert learned > 70_000
+    for _ in loader:  # the next epoch's pool starts at the learned size: no regrowth
+        pass
+    assert loader.stats.slot_growths == grown
+    assert loader.stats.worker_batches == 8  # both epochs' pools counted
