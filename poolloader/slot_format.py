@@ -293,39 +293,36 @@ class _SkeletonUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
     def persistent_load(self, pid):
-        # Hot path: one call per tensor of the batch. Every field a worker wrote
-        # is checked before a view is made, so no view can reach outside the slot.
+        # Hot path: one call per tensor of the batch, so it checks only what torch
+        # does not: the kind, the dtype code and the offset's alignment. torch's
+        # as_strided rejects negative or overflowing sizes and strides and any view
+        # past the end of its storage, and that storage is exactly the slot's data
+        # region, so no view can reach outside the slot.
         try:
             kind, code, off, shape, stride = pid
-        except (TypeError, ValueError):
-            raise SlotCorrupt(f"malformed persistent id {pid!r}") from None
-        if kind == _A:
-            return self._array(code, off, shape, stride)
-        if kind != _T or type(code) is not int or not 0 <= code < _NUM_DTYPES:
-            raise SlotCorrupt(f"unknown persistent id kind {kind!r} or dtype code {code!r}")
-        if type(off) is not int or type(shape) is not tuple or type(stride) is not tuple \
-                or len(shape) != len(stride) or len(shape) > 64:
-            raise SlotCorrupt(f"malformed view: offset {off!r}, shape {shape!r}, strides {stride!r}")
-        span = 1
-        for size, st in zip(shape, stride):
-            if type(size) is not int or type(st) is not int or size < 0 or st < 0:
-                raise SlotCorrupt(f"malformed view: shape {shape!r}, strides {stride!r}")
-            if size == 0:
-                span = 0
-            elif span:
-                span += (size - 1) * st
-        itemsize = ITEMSIZE[code]
-        if off < DATA_OFF or off % itemsize or off + span * itemsize > self.data_end:
-            raise SlotCorrupt(
-                f"a tensor view of {span * itemsize} bytes at offset {off} falls outside the "
-                f"slot's data region [{DATA_OFF}, {self.data_end})")
-        typed = self.typed[code]
-        if typed is None:
-            if self.base is None:
-                self.base = torch.from_numpy(self.data)
-            typed = self.typed[code] = self.base.view(DTYPES[code])
-        self.views += 1
-        return typed.as_strided(shape, stride, (off - DATA_OFF) // itemsize)
+            if kind == _T and 0 <= code < _NUM_DTYPES:
+                itemsize = ITEMSIZE[code]
+                if off >= DATA_OFF and not off % itemsize:
+                    typed = self.typed[code]
+                    if typed is None:
+                        typed = self._typed(code)
+                    view = typed.as_strided(shape, stride, (off - DATA_OFF) // itemsize)
+                    self.views += 1
+                    return view
+            elif kind == _A:
+                return self._array(code, off, shape, stride)
+        except SlotCorrupt:
+            raise
+        except (TypeError, ValueError, IndexError, RuntimeError, OverflowError) as e:
+            raise SlotCorrupt(f"persistent id {pid!r} does not describe a view inside the "
+                              f"slot's data region [{DATA_OFF}, {self.data_end}): {e}") from None
+        raise SlotCorrupt(f"malformed persistent id {pid!r}")
+
+    def _typed(self, code: int) -> torch.Tensor:
+        if self.base is None:
+            self.base = torch.from_numpy(self.data)
+        typed = self.typed[code] = self.base.view(DTYPES[code])
+        return typed
 
     def _check_dims(self, off, shape, stride):
         if (type(off) is not int or type(shape) is not tuple or type(stride) is not tuple
