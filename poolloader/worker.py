@@ -134,7 +134,12 @@ def worker_loop(cfg: WorkerConfig) -> None:
                     epoch = req_epoch
                     iteration_end = False
                     if init_exception is None:
-                        fetcher = new_fetcher()
+                        try:  # an IterableDataset's __iter__ runs here
+                            fetcher = new_fetcher()
+                        except Exception:
+                            fetcher = None
+                            init_exception = ExceptionWrapper(
+                                where=f"in DataLoader worker process {cfg.worker_id}")
                 payload, status = None, fmt.ST_END
                 if not iteration_end:
                     writer.begin(mapping)
@@ -143,6 +148,8 @@ def worker_loop(cfg: WorkerConfig) -> None:
                         if init_exception is not None:
                             payload, status = init_exception, fmt.ST_ERROR
                             init_exception = None
+                        elif fetcher is None:  # its epoch's __iter__ failed: nothing more
+                            raise StopIteration
                         else:
                             index = fmt.read_request(mapping, header)
                             payload, status = fetcher.fetch(index), fmt.ST_READY
