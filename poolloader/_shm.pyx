@@ -19,6 +19,7 @@ cdef extern from "sys/mman.h" nogil:
     void *MAP_FAILED
 
 from libc.errno cimport errno
+from posix.unistd cimport getpid, pid_t
 
 
 cdef class Mapping:
@@ -32,6 +33,8 @@ cdef class Mapping:
     cdef void *_addr
     cdef readonly size_t size
     cdef readonly Py_ssize_t exports
+    cdef pid_t _owner
+    cdef bint _dontfork
 
     def __cinit__(self, int fd, size_t size, bint dontfork=False):
         if size == 0:
@@ -41,6 +44,8 @@ cdef class Mapping:
             raise OSError(errno, f"mmap of {size} bytes failed")
         if dontfork:
             madvise(addr, size, MADV_DONTFORK)
+        self._owner = getpid()
+        self._dontfork = dontfork
         self._addr = addr
         self.size = size
         self.exports = 0
@@ -60,7 +65,13 @@ cdef class Mapping:
             return
         if self.exports:
             raise BufferError(f"cannot unmap: {self.exports} views of this mapping are alive")
-        munmap(self._addr, self.size)
+        self._unmap()
+
+    cdef void _unmap(self):
+        # A child forked after a dontfork mapping inherits this object but not the
+        # pages: the address range is not ours to unmap there.
+        if not (self._dontfork and getpid() != self._owner):
+            munmap(self._addr, self.size)
         self._addr = NULL
 
     def __getbuffer__(self, Py_buffer *buffer, int flags):
@@ -77,5 +88,4 @@ cdef class Mapping:
 
     def __dealloc__(self):
         if self._addr != NULL:
-            munmap(self._addr, self.size)
-            self._addr = NULL
+            self._unmap()

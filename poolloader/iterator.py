@@ -115,6 +115,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
     def __init__(self, loader) -> None:
         _BaseDataLoaderIter.__init__(self, loader)
         self._shutdown = True  # until workers exist there is nothing to shut down
+        self._owner_pid = os.getpid()
         self._workers = []
         self._pool = None
         self._prefetch_factor = loader.prefetch_factor
@@ -188,6 +189,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         self._staged = None
         self._host_done = False
         self._deferred_error = None
+        self._ended = False
         if not first_iter:
             self._reclaim_all()
             self._epoch += 1
@@ -417,6 +419,12 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         return self._stager.deliver(ticket)
 
     def _next_host(self):
+        if self._shutdown:
+            if self._ended:
+                raise StopIteration
+            raise RuntimeError(
+                "this PoolLoader iterator was shut down by the error raised before "
+                "(or by interpreter exit); iterate the loader again for a new one")
         while True:
             self._pay_debt(force=False)
             while self._rcvd_idx < self._send_idx:
@@ -432,6 +440,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                     self._pay_debt(force=True)
                     continue
                 if not self._persistent_workers:
+                    self._ended = True
                     self._shutdown_workers()
                 raise StopIteration
 
@@ -499,8 +508,8 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         """The one place that stops everything, in order: close the request rings
         (wakes and ends every worker) → join with a deadline → terminate → kill →
         unlink every name and drop the mappings. Idempotent."""
-        if self._shutdown:
-            return
+        if self._shutdown or os.getpid() != self._owner_pid:
+            return  # nothing to do, or an inherited copy in a forked child
         self._shutdown = True
         try:
             for ring in getattr(self, "_request_rings", ()):

@@ -13,13 +13,12 @@ Names: /pl-<owner pid>-<token>-ctl for the control block and
 
 Main's segments are mapped with MADV_DONTFORK, so a child forked later (any
 loader's workers) does not inherit them, but it does inherit the Python objects
-that point at them. The child's cyclic GC must never finalise those (see
-_freeze_inherited_objects).
+that point at them; every teardown path here and in the iterator does nothing
+in a process other than the one that made the pool.
 """
 from __future__ import annotations
 
 import errno
-import gc
 import os
 import re
 import secrets
@@ -34,27 +33,6 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 SHM_DIR = "/dev/shm"
 SHM_LIMIT_ENV = "POOLLOADER_SHM_LIMIT"
 _NAME_RE = re.compile(r"^pl-(\d+)-([0-9a-f]+)-")
-_made_dontfork = False  # this process has mapped a segment with MADV_DONTFORK
-
-
-def _freeze_inherited_objects() -> None:
-    """After fork, in the child: exclude every inherited object from the cyclic GC.
-
-    An iterator or pool that was garbage (in a reference cycle, e.g. through a
-    re-raised worker exception's traceback) when its process forked is garbage in
-    the child too, and the child's GC would finalise it there: its __del__ closes
-    rings in a control block the child has not mapped (SIGSEGV), and its Mapping's
-    dealloc munmaps an address range the child may since have used for something
-    else (its own slots, malloc or Python arenas). Frozen, such objects are simply
-    never collected in the child; what the child creates itself is collected as usual.
-    """
-    if _made_dontfork:
-        gc.freeze()
-
-
-os.register_at_fork(after_in_child=_freeze_inherited_objects)
-
-
 def page_round(nbytes: int) -> int:
     return max(PAGE, (nbytes + PAGE - 1) // PAGE * PAGE)
 
@@ -124,8 +102,6 @@ def create_segment(name: str, nbytes: int, what: str, pool_bytes: int, limit: in
             "Raise the cap, or lower slot_bytes, prefetch_factor or num_workers.")
     if nbytes > free:
         raise _space_error(nbytes, free, what)
-    global _made_dontfork
-    _made_dontfork = _made_dontfork or dontfork
     shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=nbytes)
     try:
         try:
@@ -186,7 +162,8 @@ class SlotPool:
         self.num_workers = num_workers
         self.max_slots = max_slots
         self.target_bytes = page_round(slot_bytes)
-        self.prefix = f"/pl-{os.getpid()}-{secrets.token_hex(8)}"
+        self._owner_pid = os.getpid()
+        self.prefix = f"/pl-{self._owner_pid}-{secrets.token_hex(8)}"
         self._on_map = on_map
         self._on_unmap = on_unmap
         self.mappings: list[Mapping | None] = []
@@ -318,8 +295,8 @@ class SlotPool:
     def close(self) -> None:
         """Unlink every name and drop every mapping. Leased slots stay mapped
         until their last view dies (invariant 3). Idempotent."""
-        if self._closed:
-            return
+        if self._closed or os.getpid() != self._owner_pid:
+            return  # an inherited copy in a forked child owns nothing
         self._closed = True
         for name in list(self._names):
             unlink_quietly(name)

@@ -345,3 +345,18 @@ def test_pin_memory_without_cuda_warns_and_behaves_as_dataloader():
         batches = list(PoolLoader(ds.FailingDataset(bad=99), batch_size=4, num_workers=2,
                                   pin_memory=True))
     assert all(not b.is_pinned() for b in batches) and len(batches) == 3
+
+
+def test_next_after_worker_death_and_after_the_end():
+    loader = PoolLoader(ds.PidDataset(n=40), batch_size=2, num_workers=2)
+    it = iter(loader)
+    os.kill(int(next(it)[0, 1]), signal.SIGKILL)
+    with pytest.raises(WorkerDied):
+        for _ in it:
+            pass
+    with pytest.raises(RuntimeError, match="shut down by the error raised before"):
+        next(it)
+    it = iter(PoolLoader(ds.AugmentDataset(n=4), batch_size=2, num_workers=2))
+    assert len(list(b["index"].tolist() for b in it)) == 2
+    with pytest.raises(StopIteration):
+        next(it)

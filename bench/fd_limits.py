@@ -1,0 +1,199 @@
+"""Descriptor limits: which loader survives which `ulimit -n`, by worker count.
+
+Method. Every cell (loader x workers x RLIMIT_NOFILE) runs in a fresh child Python
+that sets the limit (soft and hard) before it imports torch or poolloader, builds
+the loader over an RF-DETR shaped dataset (batch 16; per sample an image f32
+[3,hw,hw], a bool mask [hw,hw] and a target dict of 7 tensors, n = 0..12 boxes:
+114 tensors per batch, the per-sample-targets layout of DESIGN.md) and pulls
+`--batches` batches, checking each has 114 tensors. A cell passes when every batch
+arrived; otherwise it reports FAIL, the first line of the error and the function
+that raised it (a child that runs past `--timeout` is killed and reported as a
+timeout; a DataLoader timeout also shows the first error a worker printed). A passing cell also
+shows main's open descriptors after the loader started / after the last batch.
+
+Both loaders use their defaults: DataLoader with torch's default sharing strategy
+(file_descriptor on Linux), pin_memory=False, prefetch_factor 2; PoolLoader with
+1 MiB slots that grow on the first batch. Start method: the platform default (fork
+on Linux), or `--context`. Nothing here is timed: the figures are pass/fail.
+
+    python bench/fd_limits.py            # limits 64 256 1024 x workers 2 8 16 32
+    python bench/fd_limits.py --quick    # limits 64 1024 x workers 2 32, 20 batches
+    python bench/fd_limits.py --out results/fd_limits.md
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+
+TENSORS_PER_BATCH = 114
+
+
+class RFDETRShaped:
+    """Map-style dataset of RF-DETR shaped samples (module level and torch-free at
+    import, so spawn workers can unpickle it and the limit is set before torch loads)."""
+
+    def __init__(self, n: int, hw: int):
+        self.n, self.hw = n, hw
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        import torch
+
+        g = torch.Generator().manual_seed(i)
+        n, hw = (i * 5) % 13, self.hw
+        return (torch.rand(3, hw, hw, generator=g), torch.rand(hw, hw, generator=g) > 0.9, {
+            "boxes": torch.rand(n, 4, generator=g),
+            "labels": torch.randint(0, 90, (n,), generator=g),
+            "image_id": torch.tensor([i]),
+            "area": torch.rand(n, generator=g),
+            "iscrowd": torch.zeros(n, dtype=torch.int64),
+            "orig_size": torch.tensor([480, 640]),
+            "size": torch.tensor([hw, hw]),
+        })
+
+
+def collate(batch):
+    """Images and masks stacked, targets kept per sample (16 dicts of 7 tensors)."""
+    import torch
+
+    return (torch.stack([b[0] for b in batch]), torch.stack([b[1] for b in batch]),
+            tuple(b[2] for b in batch))
+
+
+def _cell(limit: int, workers: int, loader: str, batches: int, hw: int, context: str) -> int:
+    """Child body: the limit first, then the imports, then the loader."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+    import warnings
+
+    warnings.simplefilter("ignore")  # "N workers on 2 CPUs" is expected here
+    import torch
+    from torch.utils.data import DataLoader, RandomSampler
+
+    from poolloader import PoolLoader
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd")) - 1  # less listdir's own
+
+    data = RFDETRShaped(64, hw)
+    sampler = RandomSampler(data, replacement=True, num_samples=16 * batches,
+                            generator=torch.Generator().manual_seed(0))
+    cls = PoolLoader if loader == "PoolLoader" else DataLoader
+    kw = {"multiprocessing_context": context} if context != "default" else {}
+    got, start_fds = 0, None
+    try:
+        it = iter(cls(data, batch_size=16, sampler=sampler, collate_fn=collate,
+                      num_workers=workers, timeout=30, **kw))
+        start_fds = fds()
+        for batch in it:
+            count = 2 + sum(len(t) for t in batch[2])
+            if count != TENSORS_PER_BATCH:
+                raise AssertionError(f"batch {got} has {count} tensors")
+            got += 1
+            del batch
+        end_fds = fds()
+        del it
+    except BaseException as e:  # noqa: BLE001 - the cell's result is the error
+        import traceback
+
+        first = (str(e).strip().splitlines() or [""])[0][:120]
+        frame = traceback.extract_tb(e.__traceback__)[-1]
+        where = f"{os.path.basename(frame.filename)}:{frame.lineno} {frame.name}"
+        print(f"RESULT FAIL after {got} batches: {type(e).__name__}"
+              f"{': ' + first if first else ''} (in {where})", flush=True)
+        traceback.print_exc()
+        return 1
+    if got != batches:
+        print(f"RESULT FAIL: {got} of {batches} batches", flush=True)
+        return 1
+    print(f"RESULT pass ({start_fds}/{end_fds} fds)", flush=True)
+    return 0
+
+
+def run_cell(limit, workers, loader, batches, hw, context, timeout) -> tuple[str, float]:
+    cmd = [sys.executable, os.path.abspath(__file__), "--cell", str(limit), str(workers), loader,
+           str(batches), str(hw), context]
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"FAIL: timed out after {timeout:.0f} s", time.monotonic() - t0
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if lines:
+        result = lines[-1][len("RESULT "):]
+        if "timed out" in result:  # say why: the first error a worker printed
+            errors = [line for line in proc.stderr.splitlines()
+                      if re.match(r"^[A-Za-z_.]+(Error|Exception): ", line)]
+            if errors:
+                result += f"; a worker: {errors[0][:120]}"
+    else:  # died before it could report (a signal, an import error)
+        tail = (proc.stderr.strip().splitlines() or [""])[-1][:120]
+        result = f"FAIL: exit {proc.returncode}: {tail}"
+    return result, time.monotonic() - t0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--limits", type=int, nargs="+", default=[64, 256, 1024])
+    ap.add_argument("--workers", type=int, nargs="+", default=[2, 8, 16, 32])
+    ap.add_argument("--loaders", nargs="+", default=["DataLoader", "PoolLoader"])
+    ap.add_argument("--batches", type=int, default=100)
+    ap.add_argument("--hw", type=int, default=96, help="image side (default 96; 576 is RF-DETR's)")
+    ap.add_argument("--context", default="default", help="fork, spawn, forkserver or default")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per cell")
+    ap.add_argument("--quick", action="store_true",
+                    help="limits 64 1024, workers 2 32, 20 batches")
+    ap.add_argument("--out", help="also write the Markdown table here")
+    ap.add_argument("--cell", nargs=6, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.cell:
+        limit, workers, loader, batches, hw, context = args.cell
+        return _cell(int(limit), int(workers), loader, int(batches), int(hw), context)
+    if args.quick:
+        args.limits, args.workers, args.batches = [64, 1024], [2, 32], 20
+
+    import torch
+
+    results = {}
+    t0 = time.monotonic()
+    for loader in args.loaders:
+        for workers in args.workers:
+            for limit in args.limits:
+                result, took = run_cell(limit, workers, loader, args.batches, args.hw,
+                                        args.context, args.timeout)
+                results[loader, workers, limit] = result
+                print(f"  {loader:10} workers={workers:<3} ulimit -n {limit:<5} {took:5.1f} s  {result}",
+                      file=sys.stderr, flush=True)
+    lines = [
+        f"Descriptor limits: RF-DETR shaped batches (16 x [3,{args.hw},{args.hw}] + mask + 16 "
+        f"target dicts = {TENSORS_PER_BATCH} tensors), {args.batches} batches per cell, "
+        f"start method {args.context}; torch {torch.__version__}, Python "
+        f"{sys.version.split()[0]}, {os.cpu_count()} CPUs; {time.monotonic() - t0:.0f} s.",
+        "Each cell: its own process with RLIMIT_NOFILE set before importing torch; "
+        "pass (main's descriptors after start/at the end) or FAIL and the error's first line.",
+        "",
+        "| loader | workers | " + " | ".join(f"ulimit -n {limit}" for limit in args.limits) + " |",
+        "|---|---:|" + "---|" * len(args.limits),
+    ]
+    for loader in args.loaders:
+        for workers in args.workers:
+            cells = [results[loader, workers, limit] for limit in args.limits]
+            lines.append(f"| {loader} | {workers} | " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            f.write(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
