@@ -413,6 +413,9 @@ def signalled(mode: str) -> None:
     do: a SIGTERM handler that raises SystemExit."""
     import signal
 
+    # A shell that starts a job in the background (as some CI runners do) leaves
+    # SIGINT ignored in it, and Python keeps it so; a terminal's Ctrl-C does not.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if mode == "sigterm-handler":
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     import loader_datasets as ds
