@@ -2,7 +2,7 @@
 """Cython face of csrc/ring.h: an SPSC int64 ring and a doorbell in shared memory.
 
 The C header owns the byte layout (see its comment). Both classes take any
-writable buffer (a poolloader mapping, an mmap, a bytearray) plus an offset, and
+writable buffer (a poolloader mapping, an mmap) plus a 64-byte-aligned offset, and
 keep the buffer exported for their whole life, so the memory cannot be unmapped
 under them.
 """
