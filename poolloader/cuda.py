@@ -24,7 +24,14 @@ def _check(rc, what: str) -> None:
 
 
 class SlotGate:
-    def __init__(self) -> None:
+    """`device`: where the batches' copies run (None: the current device); events
+    are recorded on that device's current stream."""
+
+    def __init__(self, device=None) -> None:
+        if device is not None and torch.device(device).type != "cuda":
+            device = None
+        self.device = torch.device(device) if device is not None else \
+            torch.device("cuda", torch.cuda.current_device())
         self._cudart = torch.cuda.cudart()
         self._cooling: collections.deque = collections.deque()  # (slot, event)
         self._registered: dict[int, int] = {}  # mapping address -> size
@@ -42,7 +49,7 @@ class SlotGate:
 
     def cool(self, slot: int) -> None:
         event = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))
         self._cooling.append((slot, event))
 
     def ready(self, wait: bool) -> list[int]:
@@ -58,9 +65,12 @@ class SlotGate:
         return out
 
     def close(self) -> None:
+        """Before the pool unregisters and unmaps: wait for every copy that may
+        still read a slot (cooling ones, and the consumer's copies of leased ones)."""
         for slot, event in self._cooling:
             event.synchronize()
         self._cooling.clear()
+        torch.cuda.current_stream(self.device).synchronize()
 
 
 def to_device(obj, device, non_blocking: bool = True):
@@ -127,6 +137,11 @@ class DeviceStager:
             event = torch.cuda.Event()
             event.record(self.stream)
         return (dev, event, host_batch)
+
+    def wait(self, ticket) -> None:
+        """Block until a staged ticket's copy is done (before its slot may be reused)."""
+        if ticket[1] is not None:
+            ticket[1].synchronize()
 
     def deliver(self, ticket):
         dev, event, _host = ticket

@@ -134,7 +134,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
             self._pin_memory = True  # copies go straight from the registered slots
         if self._pin_memory and torch.cuda.is_available():
             from poolloader.cuda import SlotGate
-            self._gate = SlotGate()
+            self._gate = SlotGate(device if device is not None else None)
         if device is not None:
             from poolloader.cuda import DeviceStager
             self._stager = DeviceStager(device)
@@ -186,6 +186,8 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
     # -- epochs --------------------------------------------------------------
     def _reset(self, loader, first_iter=False) -> None:
         _BaseDataLoaderIter._reset(self, loader, first_iter)
+        if self._staged is not None:
+            self._stager.wait(self._staged)  # its copy reads a slot about to be reused
         self._staged = None
         self._host_done = False
         self._deferred_error = None
@@ -271,7 +273,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                 if not force:
                     return
                 gc.collect()
-                slot = self._take_free_slot()
+                slot = self._take_free_slot(wait_gate=True)
                 if slot is None:
                     slot = self._add_slot()
                 force = False
@@ -317,11 +319,11 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         else:
             self._free.append(slot)
 
-    def _take_free_slot(self) -> int | None:
+    def _take_free_slot(self, wait_gate: bool = False) -> int | None:
         if self._released:
             self._drain_released()
         if self._gate is not None:
-            self._free.extend(self._gate.ready(wait=not self._free))
+            self._free.extend(self._gate.ready(wait=wait_gate and not self._free))
         if not self._free:
             return None
         slot = self._free.pop()
@@ -339,9 +341,16 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         needed = int(header[fmt.F_NEEDED])
         _seq, worker = self._inflight[slot]
         if needed <= self._pool.size(slot):
+            self._shutdown_workers()
             raise SlotCorrupt(f"worker {worker} asked for {needed} bytes for slot {slot}, "
                               f"which already has {self._pool.size(slot)}")
-        self._replace(slot, page_round(int(needed * GROWTH_FACTOR)))
+        try:
+            self._replace(slot, page_round(int(needed * GROWTH_FACTOR)))
+        except BaseException:
+            # the worker holds the batch and waits for this slot: nothing can
+            # continue, so stop everything rather than wait for it forever
+            self._shutdown_workers()
+            raise
         self._request_rings[worker].push(slot, timeout=None)
 
     # -- waiting -------------------------------------------------------------------
@@ -361,6 +370,12 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         """Block until some worker returns a slot; (slot, worker). Bounded by
         `timeout=` and by worker liveness, checked every MAIN_TICK."""
         got = self._poll_done()
+        if got is None:
+            # Rings found on a poll leave their doorbell tokens behind; drop them,
+            # then poll once more, so the wait below sleeps instead of spinning.
+            while self._doorbell.wait(0.0):
+                pass
+            got = self._poll_done()
         if got is None:
             t0 = time.perf_counter()
             deadline = time.monotonic() + self._timeout if self._timeout > 0 else None
@@ -408,14 +423,15 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
             if self._host_done:
                 raise StopIteration
             self._staged = self._stager.stage(self._next_host())
-        ticket = self._staged
-        self._staged = None
+        ticket = self._staged  # stays in self._staged, so a shutdown meanwhile waits for its copy
+        following = None
         try:
-            self._staged = self._stager.stage(self._next_host())
+            following = self._stager.stage(self._next_host())
         except StopIteration:
             self._host_done = True
         except Exception as error:  # delivered after the batch already copied
             self._deferred_error = error
+        self._staged = following
         return self._stager.deliver(ticket)
 
     def _next_host(self):
@@ -464,7 +480,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                     self._try_put_index()
                 continue
             if status not in (fmt.ST_READY, fmt.ST_ERROR):
-                self._free_slot(slot)
+                self._shutdown_workers()
                 raise SlotCorrupt(f"slot {slot} came back from worker {worker} with status {status}")
             if idx not in self._task_info:
                 # its worker ended before this task (iterable): nothing to deliver
@@ -527,11 +543,13 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
             self._request_rings = self._done_rings = ()
             self._doorbell = None
             self._headers.clear()
+            if self._staged is not None and self._stager is not None:
+                self._stager.wait(self._staged)
+            if self._gate is not None:
+                self._gate.close()  # copies still reading cooling or leased slots finish first
             if self._pool is not None:
                 self._stats._detach(self._pool)
                 self._pool.close()
-            if self._gate is not None:
-                self._gate.close()
             with _live_lock:
                 _live_iterators.discard(self)
 

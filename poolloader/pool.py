@@ -250,10 +250,15 @@ class SlotPool:
         mapping = create_segment(name, nbytes, f"slot {slot} ({nbytes} bytes)",
                                  self.total_bytes - replacing + self._control_mapping.size,
                                  self.shm_limit)
+        if self._on_map is not None:
+            try:
+                self._on_map(mapping)
+            except BaseException:
+                unlink_quietly(name)
+                retire(mapping)
+                raise
         self._names.add(name)
         self._pending[name] = (slot, generation)
-        if self._on_map is not None:
-            self._on_map(mapping)
         self.mappings[slot] = mapping
         self.generations[slot] = generation
         self.control.slot_table[slot, 1] = nbytes

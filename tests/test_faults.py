@@ -136,3 +136,24 @@ def test_iterable_parity(workers, batch_size):
         out.append([[b.tolist() for b in loader] for _epoch in range(2)])
         del loader
     assert out[0] == out[1]
+
+
+class OneHugeSample(torch.utils.data.Dataset):
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        return torch.zeros((4 << 20) if i == 5 else 4)  # item 5: 16 MiB
+
+
+def test_growth_refused_stops_the_iterator_instead_of_hanging():
+    loader = PoolLoader(OneHugeSample(), batch_size=None, num_workers=2, slot_bytes=1 << 20,
+                        shm_limit=12 << 20)
+    it = iter(loader)
+    with pytest.raises(ShmSpaceError):
+        for _ in it:
+            pass
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="shut down by the error raised before"):
+        next(it)
+    assert time.monotonic() - t0 < 1.0
