@@ -35,10 +35,8 @@ import math
 import multiprocessing
 import os
 import platform
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 from dataclasses import dataclass
@@ -473,28 +471,9 @@ def wait_clean(timeout: float = 10.0) -> list[str]:
 # data
 
 def coco_like_data(images: int, seed: int, root: str | None = None) -> tuple[str, str]:
-    """(root, annotation file) of a cached `make_coco_like` data set.
+    """(root, annotation file) of the cached synthetic JPEG data set."""
+    from poolloader.synthetic import cached_coco_like
 
-    Same cache folder as examples/train_detector.py's default
-    (<tmp>/poolloader-data/coco-like-seed<S>-n<N>): generated once into a
-    private folder, then renamed into place.
-    """
-    from poolloader.synthetic import make_coco_like
+    return cached_coco_like(images, seed, root)
 
-    root = root or os.path.join(tempfile.gettempdir(), "poolloader-data",
-                                f"coco-like-seed{seed}-n{images}")
-    ann = os.path.join(root, "annotations.json")
-    if not os.path.exists(ann):
-        parent = os.path.dirname(os.path.abspath(root))
-        os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=".coco-like-", dir=parent)
-        try:
-            make_coco_like(tmp, images, seed)
-            try:
-                os.rename(tmp, root)
-            except OSError:
-                if not os.path.exists(ann):
-                    raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return root, ann
+

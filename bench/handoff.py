@@ -607,7 +607,6 @@ def run_cell(arm: Arm, row: str, workers: int, dataset, cfg) -> dict:
             })
     except Exception as exc:  # a failed cell is a result, not the end of the run
         res["error"] = _error_text(exc)
-        batch = None
     finally:
         batch = None
         if it is not None:

@@ -46,10 +46,8 @@ import json
 import math
 import os
 import platform
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
@@ -58,7 +56,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from poolloader import DetectionCollate, PackedTargets, PoolLoader
-from poolloader.synthetic import CATEGORIES, CocoLikeDataset, make_coco_like
+from poolloader.synthetic import CATEGORIES, CocoLikeDataset, cached_coco_like
 
 LOADERS = {"torch": DataLoader, "pool": PoolLoader}
 NUM_CLASSES = len(CATEGORIES)
@@ -68,34 +66,6 @@ BOX_WEIGHT = 5.0
 
 # ---------------------------------------------------------------------------
 # data
-
-def default_data_dir(seed: int, images: int) -> str:
-    return os.path.join(tempfile.gettempdir(), "poolloader-data", f"coco-like-seed{seed}-n{images}")
-
-
-def ensure_data(root: str, images: int, seed: int) -> str:
-    """The annotation file under `root`, generating the data set first if needed.
-
-    Written into a private temporary folder and renamed into place, so a
-    half-written cache is never used and concurrent runs do not collide.
-    """
-    ann = os.path.join(root, "annotations.json")
-    if os.path.exists(ann):
-        return ann
-    parent = os.path.dirname(os.path.abspath(root))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".coco-like-", dir=parent)
-    try:
-        make_coco_like(tmp, images, seed)
-        try:
-            os.rename(tmp, root)
-        except OSError:
-            if not os.path.exists(ann):  # not another run winning the race
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return ann
-
 
 def label_lookup() -> torch.Tensor:
     """COCO-style category id -> contiguous class index (0..NUM_CLASSES-1)."""
@@ -246,8 +216,7 @@ def train(args) -> dict:
     # On the CPU every op used here has a deterministic kernel; elsewhere warn only.
     torch.use_deterministic_algorithms(True, warn_only=device.type != "cpu")
 
-    root = args.data or default_data_dir(args.seed, args.images)
-    ann = ensure_data(root, args.images, args.seed)
+    root, ann = cached_coco_like(args.images, args.seed, args.data)
     multiscale = [int(s) for s in args.multiscale.split(",")] if args.multiscale else None
     dataset = CocoLikeDataset(root, ann, resolution=args.resolution, multiscale=multiscale,
                               augment=True)

@@ -123,7 +123,7 @@ cdef class Ring(_Shared):
         cdef int rc = pl_ring_push(self._ptr, value, -1.0)
         if rc == PL_OK:
             return True
-        return self._check(rc, "push", 0)
+        return self._check(rc, "push")
 
     def try_pop(self):
         """Pop without waiting; None when empty. Consumer side only."""
@@ -131,7 +131,7 @@ cdef class Ring(_Shared):
         cdef int rc = pl_ring_pop(self._ptr, &value, -1.0)
         if rc == PL_OK:
             return value
-        self._check(rc, "pop", 0)
+        self._check(rc, "pop")
         return None
 
     def push(self, int64_t value, timeout=None):
@@ -172,9 +172,9 @@ cdef class Ring(_Shared):
                         f"ring {'push' if pushing else 'pop'} timed out after {timeout} s "
                         f"(capacity {self.capacity}, {pl_ring_len(ptr)} queued)")
                 continue
-            self._check(rc, "push" if pushing else "pop", 0)
+            self._check(rc, "push" if pushing else "pop")
 
-    cdef object _check(self, int rc, str what, int unused):
+    cdef object _check(self, int rc, str what):
         if rc == PL_EMPTY:
             return False
         if rc == PL_CLOSED:

@@ -15,7 +15,7 @@ the readers below; both sides use these functions only:
            [3] num_slots        slots currently in the pool (main grows it)
            [4] growth_counter   bumped by main after any slot table change
            [5] main_pid         the process that owns every name
-           [6] slot_header_magic  (unused by control; kept for debugging)
+           [6] reserved
            [7] reserved
     64   doorbell             DOORBELL_BYTES
     A    slot table           max_slots × (generation u64, size u64)

@@ -134,7 +134,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
             self._pin_memory = True  # copies go straight from the registered slots
         if self._pin_memory and torch.cuda.is_available():
             from poolloader.cuda import SlotGate
-            self._gate = SlotGate(device if device is not None else None)
+            self._gate = SlotGate(device)
         if device is not None:
             from poolloader.cuda import DeviceStager
             self._stager = DeviceStager(device)
@@ -337,14 +337,12 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         self._stats.slot_growths += 1
 
     def _grow_and_resend(self, slot: int) -> None:
-        header = self._header(slot)
-        needed = int(header[fmt.F_NEEDED])
+        needed = int(self._header(slot)[fmt.F_NEEDED])
         _seq, worker = self._inflight[slot]
-        if needed <= self._pool.size(slot):
-            self._shutdown_workers()
-            raise SlotCorrupt(f"worker {worker} asked for {needed} bytes for slot {slot}, "
-                              f"which already has {self._pool.size(slot)}")
         try:
+            if needed <= self._pool.size(slot):
+                raise SlotCorrupt(f"worker {worker} asked for {needed} bytes for slot {slot}, "
+                                  f"which already has {self._pool.size(slot)}")
             self._replace(slot, page_round(int(needed * GROWTH_FACTOR)))
         except BaseException:
             # the worker holds the batch and waits for this slot: nothing can
@@ -387,7 +385,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                         raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
                 if not self._doorbell.wait(wait):
                     self._check_workers()
-                    self._pool.unlink_mapped(range(self._num_workers))
+                    self._pool.unlink_mapped()
                 got = self._poll_done()
             self._stats.main_wait_s += time.perf_counter() - t0
         slot, worker = got
@@ -395,8 +393,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         if expected is None or expected[1] != worker:
             raise SlotCorrupt(f"internal error: worker {worker} returned slot {slot}, "
                               f"which main did not give it")
-        if self._pool._pending:
-            self._pool.unlink_mapped(range(self._num_workers))
+        self._pool.unlink_mapped()
         return got
 
     def _check_workers(self) -> None:

@@ -271,20 +271,21 @@ class SlotPool:
         return self.mappings[slot].size < self.target_bytes
 
     # -- names ---------------------------------------------------------------
-    def unlink_mapped(self, workers: list[int]) -> int:
-        """Unlink every name that all `workers` have mapped; returns how many remain.
+    def unlink_mapped(self) -> int:
+        """Unlink every name that all workers have mapped; returns how many remain.
 
-        Called on main's wait ticks; cheap when nothing is pending.
+        Called after each returned slot and on main's wait ticks; a dict check
+        when nothing is pending.
         """
         if not self._pending:
             return 0
         acks = self.control.acks
         for name, (slot, generation) in list(self._pending.items()):
-            if all(int(acks[w, slot]) >= generation for w in workers):
+            if int(acks[:, slot].min()) >= generation:
                 del self._pending[name]
                 self._unlink(name)
-        if not self._pending and self._control_name in self._names and workers:
-            # every worker has attached the control block by now
+        if not self._pending:
+            # every worker acknowledged a slot, so it attached the control block first
             self._unlink(self._control_name)
         return len(self._pending)
 

@@ -324,28 +324,18 @@ class _SkeletonUnpickler(pickle.Unpickler):
         typed = self.typed[code] = self.base.view(DTYPES[code])
         return typed
 
-    def _check_dims(self, off, shape, stride):
-        if (type(off) is not int or type(shape) is not tuple or type(stride) is not tuple
-                or len(shape) != len(stride) or len(shape) > 64
-                or not all(type(v) is int and v >= 0 for v in shape + stride)):
-            raise SlotCorrupt(f"malformed view: offset {off!r}, shape {shape!r}, strides {stride!r}")
-
     def _array(self, dtype_str, off, shape, order):
-        self._check_dims(off, shape, shape)
-        try:
-            dtype = np.dtype(dtype_str)
-        except TypeError:
-            raise SlotCorrupt(f"unknown numpy dtype {dtype_str!r}") from None
-        if dtype.hasobject or order not in ("C", "F"):
-            raise SlotCorrupt(f"invalid array dtype {dtype_str!r} or order {order!r}")
-        nbytes = dtype.itemsize
-        for s in shape:
-            nbytes *= s
-        if off < DATA_OFF or off + nbytes > self.data_end:
-            raise SlotCorrupt(f"an array of {nbytes} bytes at offset {off} falls outside the "
-                              f"slot's data region [{DATA_OFF}, {self.data_end})")
+        # As for tensors, numpy's own checks bound the view's end: `self.data` is
+        # exactly the data region and np.ndarray rejects a buffer too small, a
+        # negative dimension and non-integer shapes. It accepts a negative offset
+        # (pointing before the region), so the start is checked here.
+        dtype = np.dtype(dtype_str)
+        if (dtype.hasobject or order not in ("C", "F") or type(shape) is not tuple
+                or type(off) is not int or off < DATA_OFF):
+            raise SlotCorrupt(f"invalid array dtype {dtype_str!r}, order {order!r} or shape {shape!r}")
+        view = np.ndarray(shape, dtype, buffer=self.data, offset=off - DATA_OFF, order=order)
         self.views += 1
-        return np.ndarray(shape, dtype, buffer=self.data, offset=off - DATA_OFF, order=order)
+        return view
 
 
 def check_header(header: np.ndarray, slot_size: int) -> tuple[int, int, int]:
@@ -371,8 +361,7 @@ def decode(mapping, header: np.ndarray):
     no view (then the slot can be reused at once).
     """
     data_len, skel_off, skel_len = check_header(header, mapping.size)
-    data = np.frombuffer(mapping, np.uint8, count=data_len, offset=DATA_OFF) if data_len else \
-        np.frombuffer(mapping, np.uint8, count=64, offset=DATA_OFF)[:0]
+    data = np.frombuffer(mapping, np.uint8, count=data_len, offset=DATA_OFF)
     skeleton = bytes(memoryview(mapping)[skel_off:skel_off + skel_len])
     crc = zlib.crc32(skeleton)
     if crc != int(header[F_SKELETON_CRC]):

@@ -22,6 +22,8 @@ import json
 import math
 import os
 import random
+import shutil
+import tempfile
 
 import numpy as np
 import torch
@@ -138,6 +140,33 @@ def make_coco_like(root, num_images: int, seed: int, size=(640, 480), quality: i
 
 # ---------------------------------------------------------------------------
 # reading it
+
+def cached_coco_like(images: int, seed: int, root: str | None = None) -> tuple[str, str]:
+    """(root, annotation file) of a `make_coco_like` data set, generated on first use.
+
+    `root` defaults to <tmp>/poolloader-data/coco-like-seed<S>-n<N>. The data is
+    written into a private temporary folder and renamed into place, so a
+    half-written cache is never used and concurrent runs do not collide.
+    """
+    root = root or os.path.join(tempfile.gettempdir(), "poolloader-data",
+                                f"coco-like-seed{seed}-n{images}")
+    ann = os.path.join(root, "annotations.json")
+    if os.path.exists(ann):
+        return root, ann
+    parent = os.path.dirname(os.path.abspath(root))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".coco-like-", dir=parent)
+    try:
+        make_coco_like(tmp, images, seed)
+        try:
+            os.rename(tmp, root)
+        except OSError:
+            if not os.path.exists(ann):  # not another run winning the race
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return root, ann
+
 
 def _to_normalised_tensor(img: Image.Image) -> torch.Tensor:
     arr = np.asarray(img, dtype=np.float32) / 255.0

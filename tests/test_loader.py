@@ -8,12 +8,11 @@ import os
 import random
 import signal
 import time
-import warnings
 
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 
 import loader_datasets as ds
 from poolloader import PoolExhausted, PoolLoader, WorkerDied
