@@ -1,5 +1,5 @@
 # cython: language_level=3
-"""A shared-memory mapping that holds no file descriptor.
+"""Shared-memory mappings that hold no file descriptor, and per-batch leases over them.
 
 Python's mmap.mmap keeps a dup of its descriptor for as long as it lives (before
 3.13), which would cost the main process one descriptor per slot. Mapping maps a
@@ -7,19 +7,39 @@ descriptor with mmap(2) and keeps nothing but the address: the caller closes the
 descriptor right after. The mapping exports the buffer protocol; it is unmapped
 only when the last export (numpy array, torch tensor, memoryview) is gone and the
 object itself dies, so no view can outlive its memory.
+
+A Lease is what every view of one delivered batch keeps alive: a buffer exporter
+over the batch's bytes of one mapping. `take_lease` creates it and registers a
+weakref whose callback is a C-level callable, in C, with no Python bytecode in
+between: from that instant the lease owns the slot, and its death (the last view
+of the batch gone, in any thread) queues the weakref for the iterator, with no
+point at which a signal handler could run and lose the slot.
+
+Fork safety: main's slot mappings are MADV_DONTFORK, so children forked later do
+not inherit (and pin) the pool's segments. A mapping that a live lease views is
+different: the user owns that batch and a forked child may read it, as with a
+DataLoader batch. `share_leased_with_children()`, run just before every fork,
+clears DONTFORK on those mappings and marks them `forked`, and the iterator never
+reuses a forked mapping for another batch.
 """
 from cpython.buffer cimport PyBuffer_FillInfo
+from cpython.weakref cimport PyWeakref_NewRef
 from libc.stdint cimport uintptr_t
 
 cdef extern from "sys/mman.h" nogil:
     void *mmap(void *addr, size_t length, int prot, int flags, int fd, long offset)
     int munmap(void *addr, size_t length)
     int madvise(void *addr, size_t length, int advice)
-    int PROT_READ, PROT_WRITE, MAP_SHARED, MADV_DONTFORK
+    int PROT_READ, PROT_WRITE, MAP_SHARED, MADV_DONTFORK, MADV_DOFORK
     void *MAP_FAILED
 
 from libc.errno cimport errno
 from posix.unistd cimport getpid, pid_t
+
+import weakref
+
+# Main's DONTFORK mappings, so the fork hook can find those a lease views.
+_dontfork_mappings = weakref.WeakSet()
 
 
 cdef class Mapping:
@@ -27,14 +47,17 @@ cdef class Mapping:
 
     `dontfork=True` keeps children forked later (other loaders' workers) from
     inheriting the mapping, which would keep replaced segments alive in them.
-    `exports` counts live buffer exports; `close()` unmaps early and refuses
-    (BufferError) while any export is alive.
+    `exports` counts live buffer exports, `leases` live Leases over it; `close()`
+    unmaps early and refuses (BufferError) while any export is alive.
     """
     cdef void *_addr
     cdef readonly size_t size
     cdef readonly Py_ssize_t exports
+    cdef readonly Py_ssize_t leases
+    cdef readonly bint forked
     cdef pid_t _owner
     cdef bint _dontfork
+    cdef object __weakref__
 
     def __cinit__(self, int fd, size_t size, bint dontfork=False):
         if size == 0:
@@ -49,6 +72,10 @@ cdef class Mapping:
         self._addr = addr
         self.size = size
         self.exports = 0
+        self.leases = 0
+        self.forked = False
+        if dontfork:
+            _dontfork_mappings.add(self)
 
     @property
     def address(self):
@@ -59,12 +86,21 @@ cdef class Mapping:
     def closed(self):
         return self._addr == NULL
 
+    def share_with_children(self):
+        """Let children forked from now on inherit this mapping (clears DONTFORK)
+        and mark it `forked`: its bytes may be read by another process from now on."""
+        if self._addr != NULL and self._dontfork and getpid() == self._owner:
+            madvise(self._addr, self.size, MADV_DOFORK)
+            self._dontfork = False
+        self.forked = True
+
     def close(self):
         """Unmap now. Raises BufferError if a view is still alive."""
         if self._addr == NULL:
             return
-        if self.exports:
-            raise BufferError(f"cannot unmap: {self.exports} views of this mapping are alive")
+        if self.exports or self.leases:
+            raise BufferError(f"cannot unmap: {self.exports + self.leases} views of this "
+                              "mapping are alive")
         self._unmap()
 
     cdef void _unmap(self):
@@ -89,3 +125,61 @@ cdef class Mapping:
     def __dealloc__(self):
         if self._addr != NULL:
             self._unmap()
+
+
+cdef class Lease:
+    """`length` bytes of a mapping from `offset`, as one buffer every view of a
+    batch keeps alive. Keeps the mapping mapped; weak-referenceable."""
+    cdef readonly Mapping mapping
+    cdef readonly size_t offset
+    cdef readonly size_t length
+    cdef object __weakref__
+
+    def __cinit__(self, Mapping mapping, size_t offset, size_t length):
+        if mapping._addr == NULL:
+            raise ValueError("mapping is closed")
+        if offset > mapping.size or length > mapping.size - offset:
+            raise ValueError(f"lease [{offset}, {offset + length}) outside a mapping of "
+                             f"{mapping.size} bytes")
+        self.mapping = mapping
+        self.offset = offset
+        self.length = length
+        mapping.leases += 1
+
+    def __getbuffer__(self, Py_buffer *buffer, int flags):
+        PyBuffer_FillInfo(buffer, self, <char *>self.mapping._addr + self.offset,
+                          self.length, 0, flags)
+
+    def __releasebuffer__(self, Py_buffer *buffer):
+        pass
+
+    def __len__(self):
+        return self.length
+
+    def __dealloc__(self):
+        if self.mapping is not None:
+            self.mapping.leases -= 1
+
+
+def take_lease(Mapping mapping, size_t offset, size_t length, dict registry, callback, key):
+    """A new Lease, registered as `registry[weakref] = key` with `callback` (a C-level
+    callable such as a deque's bound append) called with the weakref when it dies.
+
+    Everything here runs in C: no signal handler can run between the lease's
+    creation and its registration, so the slot it stands for is never lost."""
+    cdef Lease lease = Lease(mapping, offset, length)
+    ref = PyWeakref_NewRef(lease, callback)
+    registry[ref] = key
+    return lease
+
+
+def share_leased_with_children():
+    """Before a fork: every mapping a live lease views becomes inheritable and is
+    marked `forked` (never reused for another batch). Returns how many."""
+    cdef Mapping m
+    n = 0
+    for m in list(_dontfork_mappings):
+        if m.leases and m._addr != NULL:
+            m.share_with_children()
+            n += 1
+    return n

@@ -47,12 +47,21 @@ class SlotGate:
         if self._registered.pop(mapping.address, None) is not None:
             _check(self._cudart.cudaHostUnregister(mapping.address), "cudaHostUnregister")
 
-    def cool(self, slot: int) -> None:
+    def cool(self, key) -> None:
+        """`key` (a slot, or a mapping detached from the pool) is free once the
+        event recorded now has completed."""
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
-        self._cooling.append((slot, event))
+        self._cooling.append((key, event))
 
-    def ready(self, wait: bool) -> list[int]:
+    @property
+    def pending(self) -> int:
+        return len(self._cooling)
+
+    def keys(self) -> list:
+        return [key for key, _event in self._cooling]
+
+    def ready(self, wait: bool) -> list:
         """Slots whose event completed, oldest first; with `wait`, block on the
         oldest if none has."""
         out = []

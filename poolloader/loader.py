@@ -1,6 +1,7 @@
 """PoolLoader: torch.utils.data.DataLoader with batches moved through a slot pool."""
 from __future__ import annotations
 
+import warnings
 from typing import TypeVar
 
 from torch.utils.data import DataLoader
@@ -24,8 +25,8 @@ class PoolLoader(DataLoader[T_co]):
       slot_bytes  initial size of each slot (default 1 MiB); a batch that does
                   not fit grows its slot (×1.25 headroom) and the rest follow.
       slots       slots in the pool (default num_workers × prefetch_factor + 2).
-      max_slots   bound when the consumer keeps every batch alive (default
-                  max(2 × slots, slots + 8)); past it, PoolExhausted.
+      max_slots   deprecated, no effect: a consumer that keeps batches never
+                  exhausts the pool (the oldest held batch is detached from it).
       shm_limit   cap in bytes on the pool's shared memory (also the
                   POOLLOADER_SHM_LIMIT environment variable); None: /dev/shm's
                   free space is the only limit.
@@ -51,6 +52,15 @@ class PoolLoader(DataLoader[T_co]):
             in_order=in_order)
         if slot_bytes is None or slot_bytes < 1:
             raise ValueError(f"slot_bytes must be a positive number of bytes, got {slot_bytes!r}")
+        if slots is not None and (not isinstance(slots, int) or slots < 1):
+            raise ValueError(f"slots must be a positive number of slots, got {slots!r}")
+        if shm_limit is not None and (not isinstance(shm_limit, int) or shm_limit < 1):
+            raise ValueError(f"shm_limit must be a positive number of bytes, got {shm_limit!r}")
+        if max_slots is not None:
+            warnings.warn(
+                "PoolLoader(max_slots=) has no effect: a consumer that keeps batches no longer "
+                "exhausts the pool (the oldest held batch is detached from it); drop the "
+                "argument.", DeprecationWarning, stacklevel=2)
         self.shuffle = shuffle
         self.slot_bytes = slot_bytes
         self.slots = slots

@@ -203,7 +203,8 @@ class SlotPool:
         return sum(m.size for m in self.mappings if m is not None)
 
     def size(self, slot: int) -> int:
-        return self.mappings[slot].size
+        mapping = self.mappings[slot]
+        return 0 if mapping is None else mapping.size
 
     # -- changes (main only, while main owns the slot) --------------------------
     def add_slot(self) -> int:
@@ -232,23 +233,41 @@ class SlotPool:
         nbytes = page_round(nbytes)
         self.target_bytes = max(self.target_bytes, nbytes)
         old = self.mappings[slot]
-        old_name = slot_name(self.prefix, slot, self.generations[slot])
-        self._map_new(slot, nbytes, replacing=old.size if old is not None else 0)
-        # Workers that have not mapped the old generation never will: drop its name.
-        self._pending.pop(old_name, None)
-        self._unlink(old_name)
         if old is not None:
-            if self._on_unmap is not None:
-                self._on_unmap(old)
-            retire(old)
+            self.detach(slot)
+        try:
+            self._map_new(slot, nbytes)
+        finally:
+            if old is not None:
+                if self._on_unmap is not None:
+                    self._on_unmap(old)
+                retire(old)
         self.growth_events += 1
         self._bump()
 
-    def _map_new(self, slot: int, nbytes: int, replacing: int = 0) -> None:
+    def detach(self, slot: int):
+        """Take `slot`'s segment out of the pool and return its mapping: its name is
+        unlinked and the slot is empty (generation 0: workers skip it) until
+        `refill()`. The mapping is the caller's: still mapped (and registered)."""
+        old = self.mappings[slot]
+        self._pending.pop(slot_name(self.prefix, slot, self.generations[slot]), None)
+        self._unlink(slot_name(self.prefix, slot, self.generations[slot]))
+        self.mappings[slot] = None
+        self.control.slot_table[slot, 0] = 0
+        self.control.slot_table[slot, 1] = 0
+        self._bump()
+        return old
+
+    def refill(self, slot: int) -> None:
+        """A fresh segment of the current target size for an empty slot."""
+        self._map_new(slot, self.target_bytes)
+        self._bump()
+
+    def _map_new(self, slot: int, nbytes: int) -> None:
         generation = self.generations[slot] + 1
         name = slot_name(self.prefix, slot, generation)
         mapping = create_segment(name, nbytes, f"slot {slot} ({nbytes} bytes)",
-                                 self.total_bytes - replacing + self._control_mapping.size,
+                                 self.total_bytes + self._control_mapping.size,
                                  self.shm_limit)
         if self._on_map is not None:
             try:
@@ -267,8 +286,15 @@ class SlotPool:
     def _bump(self) -> None:
         self.control.header[H_GROWTH] = int(self.control.header[H_GROWTH]) + 1
 
+    def unmap(self, mapping) -> None:
+        """A mapping detached from the pool whose batch is gone: unregister, unmap."""
+        if self._on_unmap is not None:
+            self._on_unmap(mapping)
+        retire(mapping)
+
     def needs_resize(self, slot: int) -> bool:
-        return self.mappings[slot].size < self.target_bytes
+        mapping = self.mappings[slot]
+        return mapping is None or mapping.size < self.target_bytes
 
     # -- names ---------------------------------------------------------------
     def unlink_mapped(self) -> int:
@@ -352,6 +378,10 @@ class WorkerSlots:
         for slot in range(int(self.control.header[H_NUM_SLOTS])):
             generation = int(table[slot, 0])
             have = self.mappings.get(slot)
+            if generation == 0:  # detached by main, empty until refilled
+                if have is not None:
+                    del self.mappings[slot]
+                continue
             if have is None or have[0] != generation:
                 try:
                     mapping = open_segment(slot_name(self.prefix, slot, generation))
@@ -379,6 +409,7 @@ class WorkerSlots:
         """The parent died: remove every name it owned (control block included)."""
         table = self.control.slot_table
         for slot in range(int(self.control.header[H_NUM_SLOTS])):
-            unlink_quietly(slot_name(self.prefix, slot, int(table[slot, 0])))
+            if int(table[slot, 0]):
+                unlink_quietly(slot_name(self.prefix, slot, int(table[slot, 0])))
         unlink_quietly(control_name(self.prefix))
 

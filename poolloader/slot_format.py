@@ -1,24 +1,36 @@
 """The byte layout of one slot, and how a batch is encoded into it and decoded out.
 
+This module is the only reader and writer of a slot's header: the worker and the
+iterator call the functions below and never index the header themselves.
+
 A slot is one page-aligned shared segment:
 
     0            header: HEADER_FIELDS u64, fields F_* below
-    REQUEST_OFF  request area: main writes the pickled sampler index here
+    REQUEST_OFF  request area: main writes the pickled sampler index here (a larger
+                 index goes at DATA_OFF instead: main owns the whole slot while it
+                 writes a request, and the worker reads it before writing data)
     DATA_OFF     data region: tensor and array bytes, each 64-byte aligned,
-                 then the skeleton (at F_SKELETON_OFF)
+                 then the small block (at F_SMALL_OFF), then the skeleton
     slot size    (page multiple)
 
 The skeleton is the batch pickled with every plain CPU tensor and numpy array
-replaced by a persistent id (kind, dtype code, byte offset, shape, strides)
-that points into the data region. Decoding unpickles it and turns each id into
-a view over the slot: O(objects), never O(bytes). Everything else (strings,
-numbers, dicts, namedtuples, dataclasses, tensor subclasses, sparse, quantized,
-tensors that require grad or carry a conj/neg bit, object arrays) is pickled
-into the skeleton as DataLoader's own pickling would carry it: lossless, one
-copy, documented as the fallback.
+replaced by a persistent id that points into the slot. Decoding unpickles it and
+turns each id into a tensor: O(objects), never O(bytes), and the batch belongs to
+the user as a DataLoader batch does (DESIGN.md, "Ownership"):
 
-Keep the F_* indices in sync with the worker (writer) and iterator (reader):
-both use only this module.
+* a tensor above SMALL_TENSOR_BYTES stays in the slot, as a view with a storage of
+  its own covering exactly its bytes (torch.save, deepcopy, share_memory_() and
+  sending it act on that tensor alone); every such storage keeps the batch's Lease,
+  and the slot is reused only when the last one dies;
+* smaller tensors (labels, boxes, ids, packed target fields; up to
+  SMALL_BATCH_BYTES per batch) are laid out by the worker in one contiguous small
+  block, which main copies once into a private buffer: they share that buffer's
+  storage and never keep the slot.
+
+Everything else (strings, numbers, dicts, namedtuples, dataclasses, tensor
+subclasses, sparse, quantized, nested, tensors that require grad or carry a
+conj/neg bit, object arrays) is pickled into the skeleton as DataLoader's own
+pickling would carry it: lossless, one copy, documented as the fallback.
 """
 from __future__ import annotations
 
@@ -29,23 +41,26 @@ import zlib
 import numpy as np
 import torch
 
+from poolloader._shm import Lease, take_lease
 from poolloader.errors import SlotCorrupt
 
 SLOT_MAGIC = 0x746F6C536C50  # "PlSlot"
 HEADER_FIELDS = 16
 (F_MAGIC,          # SLOT_MAGIC
  F_STATUS,         # one of the ST_* values
- F_SEQ,            # the batch's send index within its epoch (main writes, worker echoes)
+ F_SEQ,            # the batch's send index (main writes, worker echoes: main's ownership check)
  F_EPOCH,          # main's epoch counter: a new value makes the worker restart its fetcher
- F_WORKER,         # worker id that wrote the reply
- F_REQUEST_LEN,    # bytes of pickled index in the request area
+ F_WORKER,         # the worker main sent the request to (main writes, worker echoes)
+ F_REQUEST_OFF,    # where the pickled index starts (REQUEST_OFF, or DATA_OFF when large)
+ F_REQUEST_LEN,    # its length in bytes
  F_DATA_LEN,       # bytes of the data region in use (64-byte multiple)
- F_SKELETON_OFF,   # absolute offset of the skeleton (>= DATA_OFF)
+ F_SMALL_OFF,      # absolute offset of the small block (>= DATA_OFF + data length)
+ F_SMALL_LEN,      # its length (64-byte multiple)
+ F_SKELETON_OFF,   # absolute offset of the skeleton (>= small block's end)
  F_SKELETON_LEN,   # its length in bytes
  F_NEEDED,         # ST_GROW: slot bytes the payload needs
- F_SLOT_SIZE,      # the slot size the writer saw
  F_SKELETON_CRC,   # zlib.crc32 of the skeleton: a torn or stray write never reaches pickle
- ) = range(12)
+ ) = range(14)
 REQUEST_OFF = HEADER_FIELDS * 8
 DATA_OFF = 65536
 REQUEST_MAX = DATA_OFF - REQUEST_OFF
@@ -53,7 +68,16 @@ MIN_SLOT_BYTES = DATA_OFF + 4096
 
 ST_REQUESTED, ST_READY, ST_GROW, ST_ERROR, ST_END = 1, 2, 3, 4, 5
 
-_T, _A = 1, 2  # persistent id kinds: torch tensor, numpy array
+# A tensor up to SMALL_TENSOR_BYTES is copied into the batch's private small buffer
+# instead of viewed in the slot: copying 64 KiB costs main about what making one
+# more storage does (a few µs), while keeping such a tensor as a view would keep a
+# whole slot (MBs) alive. SMALL_BATCH_BYTES bounds main's copy per batch (~50 µs);
+# small tensors past it stay in the slot, as views with storages of their own.
+SMALL_TENSOR_BYTES = 64 << 10
+SMALL_BATCH_BYTES = 1 << 20
+SMALL_ALIGN = 16  # the largest itemsize (complex128)
+
+_T, _A, _TS, _AS = 1, 2, 3, 4  # persistent id kinds: tensor/array in the data region, in the small block
 
 # Dense dtypes a slot carries as views; the code is the index here.
 DTYPES = [
@@ -73,6 +97,10 @@ def align64(n: int) -> int:
     return (n + 63) & ~63
 
 
+def _align_small(n: int) -> int:
+    return (n + SMALL_ALIGN - 1) & ~(SMALL_ALIGN - 1)
+
+
 def header_view(mapping) -> np.ndarray:
     return np.ndarray((HEADER_FIELDS,), np.uint64, buffer=mapping, offset=0)
 
@@ -88,28 +116,86 @@ def span_elements(shape, stride) -> int:
 
 
 # ---------------------------------------------------------------------------
-# requests (main writes, worker reads)
+# the header: requests (main writes, worker reads), replies (worker writes, main reads)
 
-def write_request(mapping, header: np.ndarray, seq: int, epoch: int, index) -> None:
-    payload = pickle.dumps(index, protocol=pickle.HIGHEST_PROTOCOL)
-    if len(payload) > REQUEST_MAX:
-        raise ValueError(
-            f"the sampler index of batch {seq} pickles to {len(payload)} bytes, over the "
-            f"slot request area's {REQUEST_MAX} bytes; use a smaller batch_size or a "
-            "sampler that yields plain integers")
-    memoryview(mapping)[REQUEST_OFF:REQUEST_OFF + len(payload)] = payload
-    header[F_MAGIC] = SLOT_MAGIC
+def pickle_request(index) -> bytes:
+    return pickle.dumps(index, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def request_slot_bytes(request: bytes) -> int:
+    """Slot bytes a request needs: 0 when it fits the request area (any slot will do)."""
+    return 0 if len(request) <= REQUEST_MAX else DATA_OFF + len(request)
+
+
+def write_request(mapping, header: np.ndarray, seq: int, epoch: int, worker: int,
+                  request: bytes) -> None:
+    """Main, owning the slot: the pickled index and the fields the worker echoes.
+
+    An index larger than the request area goes at DATA_OFF; the caller has made the
+    slot large enough (request_slot_bytes)."""
+    off = REQUEST_OFF if len(request) <= REQUEST_MAX else DATA_OFF
+    if off + len(request) > mapping.size:
+        raise ValueError(f"internal error: a request of {len(request)} bytes does not fit a slot "
+                         f"of {mapping.size} bytes")
+    memoryview(mapping)[off:off + len(request)] = request
+    header[F_REQUEST_OFF] = off
+    header[F_REQUEST_LEN] = len(request)
+    stamp(header, seq, epoch, worker)
     header[F_STATUS] = ST_REQUESTED
+
+
+def stamp(header: np.ndarray, seq: int, epoch: int, worker: int) -> None:
+    """Main: who the slot is for (also on a fresh segment after growth)."""
+    header[F_MAGIC] = SLOT_MAGIC
     header[F_SEQ] = seq
     header[F_EPOCH] = epoch
-    header[F_REQUEST_LEN] = len(payload)
+    header[F_WORKER] = worker
+
+
+def request_epoch(header: np.ndarray) -> int:
+    return int(header[F_EPOCH])
 
 
 def read_request(mapping, header: np.ndarray):
-    n = int(header[F_REQUEST_LEN])
-    if n > REQUEST_MAX:
-        raise SlotCorrupt(f"request length {n} exceeds the request area ({REQUEST_MAX} bytes)")
-    return pickle.loads(memoryview(mapping)[REQUEST_OFF:REQUEST_OFF + n])
+    """Worker: the sampler index main wrote (bounds-checked)."""
+    off, n = int(header[F_REQUEST_OFF]), int(header[F_REQUEST_LEN])
+    if off not in (REQUEST_OFF, DATA_OFF) or off + n > mapping.size or (
+            off == REQUEST_OFF and n > REQUEST_MAX):
+        raise SlotCorrupt(f"request of {n} bytes at {off} is outside the slot ({mapping.size} bytes)")
+    return pickle.loads(memoryview(mapping)[off:off + n])
+
+
+def mark_grow(header: np.ndarray, needed: int) -> None:
+    """Worker: the payload needs a slot of `needed` bytes; nothing was published."""
+    header[F_NEEDED] = needed
+    header[F_STATUS] = ST_GROW
+
+
+def mark_end(header: np.ndarray) -> None:
+    """Worker: its iterable dataset is exhausted."""
+    header[F_STATUS] = ST_END
+
+
+def reply_status(header: np.ndarray, slot: int, seq: int, worker: int) -> int:
+    """Main: the status of a returned slot, after checking it is the reply to the
+    request main wrote there (magic, batch number and worker echoed unchanged)."""
+    status = int(header[F_STATUS])
+    if (int(header[F_MAGIC]) != SLOT_MAGIC or int(header[F_SEQ]) != seq
+            or int(header[F_WORKER]) != worker
+            or status not in (ST_READY, ST_GROW, ST_ERROR, ST_END)):
+        raise SlotCorrupt(
+            f"slot {slot} came back from worker {worker} with a header that is not the reply "
+            f"to batch {seq}: magic {int(header[F_MAGIC]):#x}, batch {int(header[F_SEQ])}, "
+            f"worker {int(header[F_WORKER])}, status {status}")
+    return status
+
+
+def needed_bytes(header: np.ndarray) -> int:
+    return int(header[F_NEEDED])
+
+
+def reply_is_error(header: np.ndarray) -> bool:
+    return int(header[F_STATUS]) == ST_ERROR
 
 
 # ---------------------------------------------------------------------------
@@ -129,24 +215,40 @@ class SlotWriter:
     `empty()` hands out 64-byte-aligned tensors inside the slot, so a collate
     writes each byte once (None when the slot is full). `alloc()` keeps counting
     past the end, so a single NeedsGrow reports the whole size needed.
+
+    `begin()` also notices a tensor that a dataset or collate kept from an earlier
+    batch in the same slot (its storage is still in use): that memory is about to be
+    rewritten, so it warns once, naming the fix.
     """
 
     def __init__(self):
         self.mapping = None
-        self._cache = {}
+        self._cache = {}  # slot -> (mapping, u8 tensor, u8 array, storage uses alone)
+        self.warned_kept = False
 
-    def begin(self, mapping) -> None:
+    def begin(self, mapping, slot: int = 0, check_kept: bool = True) -> None:
         self.mapping = mapping
-        cached = self._cache.get(id(mapping))
+        cached = self._cache.get(slot)
         if cached is None or cached[0] is not mapping:
             u8 = torch.from_numpy(np.frombuffer(mapping, np.uint8))
-            cached = (mapping, u8, np.frombuffer(mapping, np.uint8))
-            self._cache = {id(mapping): cached}  # one generation at a time
+            cached = (mapping, u8, np.frombuffer(mapping, np.uint8), _storage_uses(u8))
+            self._cache[slot] = cached  # drops the slot's previous generation
+        elif check_kept and not self.warned_kept and _storage_uses(cached[1]) > cached[3]:
+            self._warn_kept()
         self.u8 = cached[1]
         self.np_u8 = cached[2]
         self.address = mapping.address
         self.limit = mapping.size
         self.cursor = DATA_OFF
+
+    def _warn_kept(self) -> None:
+        import warnings
+        self.warned_kept = True
+        warnings.warn(
+            "PoolLoader worker: a tensor made by the dataset or collate_fn inside a slot "
+            "(slot_empty or the default collate) is still alive after its batch was sent, "
+            "and the slot is being reused: that tensor's values will change. Keep a copy "
+            "instead (tensor.clone()).", RuntimeWarning, stacklevel=3)
 
     def end(self) -> None:
         self.mapping = None
@@ -181,12 +283,24 @@ class SlotWriter:
         return None
 
 
+def _storage_uses(t: torch.Tensor) -> int:
+    """How many tensors (and storage objects) share `t`'s storage right now."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+def _plain_tensor(t: torch.Tensor) -> bool:
+    return not (t.is_nested or t.layout != torch.strided or t.device.type != "cpu"
+                or t.requires_grad or t.is_conj() or t.is_neg())
+
+
 class _SkeletonPickler(pickle.Pickler):
     def __init__(self, file, writer: SlotWriter):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.writer = writer
         self.memo_ids = {}
         self.keep = []
+        self.small = []      # (tensor or array, nbytes, offset in the small block)
+        self.small_len = 0
 
     def persistent_id(self, obj):
         kind = type(obj)
@@ -196,26 +310,37 @@ class _SkeletonPickler(pickle.Pickler):
             return self._array(obj)
         return None
 
+    def _small(self, nbytes: int) -> int | None:
+        if nbytes > SMALL_TENSOR_BYTES or self.small_len + nbytes > SMALL_BATCH_BYTES:
+            return None
+        off = _align_small(self.small_len)
+        self.small_len = off + nbytes
+        return off
+
     def _tensor(self, t: torch.Tensor):
         code = DTYPE_CODE.get(t.dtype)
-        if (code is None or t.layout != torch.strided or t.device.type != "cpu"
-                or t.requires_grad or t.is_conj() or t.is_neg()):
+        if code is None or not _plain_tensor(t):
             return None
         pid = self.memo_ids.get(id(t))
         if pid is not None:
             return pid
         shape, stride = tuple(t.shape), t.stride()
-        nbytes = span_elements(shape, stride) * ITEMSIZE[code]
-        w = self.writer
-        off = w.locate(t, nbytes)
-        if off is None:
-            off = w.alloc(nbytes)
+        count = span_elements(shape, stride)
+        nbytes = count * ITEMSIZE[code]
+        small = self._small(nbytes)
+        if small is not None:
+            self.small.append((t, nbytes, small))
+            pid = (_TS, code, small, shape, stride)
+        else:
+            w = self.writer
+            off = w.locate(t, nbytes)
             if off is None:
-                off = DATA_OFF  # overflow: keep counting, NeedsGrow follows
-            elif nbytes:
-                src = torch.as_strided(t, (nbytes // ITEMSIZE[code],), (1,), t.storage_offset())
-                w.u8[off:off + nbytes].view(t.dtype).copy_(src)
-        pid = (_T, code, off, shape, stride)
+                off = w.alloc(nbytes)
+                if off is None:
+                    off = DATA_OFF  # overflow: keep counting, NeedsGrow follows
+                elif nbytes:
+                    w.u8[off:off + nbytes].view(t.dtype).copy_(_span(t, count))
+            pid = (_T, code, off, shape, stride, count)
         self.memo_ids[id(t)] = pid
         self.keep.append(t)
         return pid
@@ -224,50 +349,73 @@ class _SkeletonPickler(pickle.Pickler):
         if a.dtype.hasobject or a.dtype.fields is not None:
             return None
         order = "F" if (a.flags.f_contiguous and not a.flags.c_contiguous) else "C"
+        small = self._small(a.nbytes)
+        if small is not None:
+            self.small.append((a, a.nbytes, small))
+            return (_AS, a.dtype.str, small, a.shape, order)
         w = self.writer
         off = w.alloc(a.nbytes)
         if off is None:
             off = DATA_OFF
         elif a.nbytes:
-            dst = np.ndarray(a.shape, a.dtype, buffer=w.np_u8, offset=off, order=order)
-            dst[...] = a
+            np.ndarray(a.shape, a.dtype, buffer=w.np_u8, offset=off, order=order)[...] = a
         return (_A, a.dtype.str, off, a.shape, order)
+
+    def write_small(self, small_off: int) -> None:
+        w = self.writer
+        for obj, nbytes, rel in self.small:
+            if not nbytes:
+                continue
+            off = small_off + rel
+            if type(obj) is np.ndarray:
+                order = "F" if (obj.flags.f_contiguous and not obj.flags.c_contiguous) else "C"
+                np.ndarray(obj.shape, obj.dtype, buffer=w.np_u8, offset=off, order=order)[...] = obj
+            else:
+                w.u8[off:off + nbytes].view(obj.dtype).copy_(_span(obj, nbytes // obj.element_size()))
+
+
+def _span(t: torch.Tensor, count: int) -> torch.Tensor:
+    """The 1-D run of storage elements a strided tensor covers, from its first one."""
+    return torch.as_strided(t, (count,), (1,), t.storage_offset())
 
 
 def encode(writer: SlotWriter, header: np.ndarray, payload, status: int) -> None:
     """Write `payload` into the slot `writer` has begun and fill the header.
 
-    Raises NeedsGrow (header untouched but F_NEEDED) when it does not fit, and
-    whatever pickling raises for an object that cannot be carried at all.
+    Raises NeedsGrow (header untouched) when it does not fit, and whatever pickling
+    raises for an object that cannot be carried at all.
     """
     buf = io.BytesIO()
-    _SkeletonPickler(buf, writer).dump(payload)
+    pickler = _SkeletonPickler(buf, writer)
+    pickler.dump(payload)
     skeleton = buf.getbuffer()
-    data_len = align64(writer.cursor) - DATA_OFF
-    skel_off = DATA_OFF + data_len
+    small_off = align64(writer.cursor)
+    small_len = align64(pickler.small_len)
+    skel_off = small_off + small_len
     needed = skel_off + len(skeleton)
     if needed > writer.limit:
         raise NeedsGrow(needed)
+    pickler.write_small(small_off)
     writer.np_u8[skel_off:needed] = np.frombuffer(skeleton, np.uint8)
     header[F_SKELETON_CRC] = zlib.crc32(skeleton)
-    header[F_DATA_LEN] = data_len
+    header[F_DATA_LEN] = small_off - DATA_OFF
+    header[F_SMALL_OFF] = small_off
+    header[F_SMALL_LEN] = small_len
     header[F_SKELETON_OFF] = skel_off
     header[F_SKELETON_LEN] = len(skeleton)
-    header[F_SLOT_SIZE] = writer.limit
     header[F_MAGIC] = SLOT_MAGIC
     header[F_STATUS] = status
 
 
 # ---------------------------------------------------------------------------
-# main side: decode views
+# main side: decode
 
 def _rebuild_sparse_checked(layout, data):
     """torch._utils._rebuild_sparse_tensor, validated at once.
 
     torch's version defers validation to a module-level list that only
     torch.load drains: under this unpickler the list would keep every sparse
-    tensor, and so its slot, alive forever. Its indices are views of the slot,
-    so an unchecked index could also reach outside the tensor: check always.
+    tensor alive forever. Check always.
     """
     if layout == torch.sparse_coo:
         indices, values, size, *rest = data
@@ -279,12 +427,11 @@ def _rebuild_sparse_checked(layout, data):
 
 
 class _SkeletonUnpickler(pickle.Unpickler):
-    def __init__(self, file, data: np.ndarray, data_end: int):
+    def __init__(self, file, lease: Lease, small: torch.Tensor | None):
         super().__init__(file)
-        self.data = data          # uint8 array over [DATA_OFF, data_end): the lease object
-        self.data_end = data_end
-        self.base = None
-        self.typed = [None] * _NUM_DTYPES
+        self.lease = lease        # the batch's bytes of the data region [DATA_OFF, data end)
+        self.small = small        # private copy of the small block (uint8), or None
+        self.small_typed = [None] * _NUM_DTYPES
         self.views = 0
 
     def find_class(self, module, name):
@@ -294,84 +441,104 @@ class _SkeletonUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid):
         # Hot path: one call per tensor of the batch, so it checks only what torch
-        # does not: the kind, the dtype code and the offset's alignment. torch's
-        # as_strided rejects negative or overflowing sizes and strides and any view
-        # past the end of its storage, and that storage is exactly the slot's data
-        # region, so no view can reach outside the slot.
+        # does not: kinds, dtype codes and alignment. torch.frombuffer rejects a
+        # range outside the lease and as_strided any view past the end of its
+        # storage, so no tensor can reach outside the slot's data region (or the
+        # small buffer).
         try:
-            kind, code, off, shape, stride = pid
-            if kind == _T and 0 <= code < _NUM_DTYPES:
-                itemsize = ITEMSIZE[code]
-                if off >= DATA_OFF and not off % itemsize:
-                    typed = self.typed[code]
+            kind = pid[0]
+            if kind == _TS:
+                _, code, off, shape, stride = pid
+                if 0 <= code < _NUM_DTYPES and self.small is not None and not off % ITEMSIZE[code]:
+                    typed = self.small_typed[code]
                     if typed is None:
-                        typed = self._typed(code)
-                    view = typed.as_strided(shape, stride, (off - DATA_OFF) // itemsize)
+                        typed = self.small_typed[code] = self.small.view(DTYPES[code])
+                    return typed.as_strided(shape, stride, off // ITEMSIZE[code])
+            elif kind == _T:
+                _, code, off, shape, stride, count = pid
+                if 0 <= code < _NUM_DTYPES and off >= DATA_OFF and not off % ITEMSIZE[code]:
+                    if count == 0:
+                        return torch.empty_strided(shape, stride, dtype=DTYPES[code])
+                    own = torch.frombuffer(self.lease, dtype=DTYPES[code], count=count,
+                                           offset=off - DATA_OFF)
                     self.views += 1
-                    return view
+                    return own.as_strided(shape, stride, 0)
             elif kind == _A:
-                return self._array(code, off, shape, stride)
+                _, dtype_str, off, shape, order = pid
+                self.views += 1
+                return self._array(self.lease, DATA_OFF, dtype_str, off, shape, order)
+            elif kind == _AS:
+                _, dtype_str, off, shape, order = pid
+                if self.small is not None:
+                    return self._array(self.small.numpy(), 0, dtype_str, off, shape, order)
         except SlotCorrupt:
             raise
         except (TypeError, ValueError, IndexError, RuntimeError, OverflowError) as e:
             raise SlotCorrupt(f"persistent id {pid!r} does not describe a view inside the "
-                              f"slot's data region [{DATA_OFF}, {self.data_end}): {e}") from None
+                              f"slot's data region or small block: {e}") from None
         raise SlotCorrupt(f"malformed persistent id {pid!r}")
 
-    def _typed(self, code: int) -> torch.Tensor:
-        if self.base is None:
-            self.base = torch.from_numpy(self.data)
-        typed = self.typed[code] = self.base.view(DTYPES[code])
-        return typed
-
-    def _array(self, dtype_str, off, shape, order):
-        # As for tensors, numpy's own checks bound the view's end: `self.data` is
-        # exactly the data region and np.ndarray rejects a buffer too small, a
-        # negative dimension and non-integer shapes. It accepts a negative offset
-        # (pointing before the region), so the start is checked here.
+    @staticmethod
+    def _array(buffer, base: int, dtype_str, off, shape, order):
+        # numpy's own checks bound the view's end (a buffer too small, a negative
+        # dimension, non-integer shapes); it accepts a negative offset, so the
+        # start is checked here.
         dtype = np.dtype(dtype_str)
         if (dtype.hasobject or order not in ("C", "F") or type(shape) is not tuple
-                or type(off) is not int or off < DATA_OFF):
+                or type(off) is not int or off < base):
             raise SlotCorrupt(f"invalid array dtype {dtype_str!r}, order {order!r} or shape {shape!r}")
-        view = np.ndarray(shape, dtype, buffer=self.data, offset=off - DATA_OFF, order=order)
-        self.views += 1
-        return view
+        return np.ndarray(shape, dtype, buffer=buffer, offset=off - base, order=order)
 
 
-def check_header(header: np.ndarray, slot_size: int) -> tuple[int, int, int]:
-    """Validate a published header against the slot size; returns (data_len, skel_off, skel_len)."""
+def check_header(header: np.ndarray, slot_size: int) -> tuple[int, int, int, int, int]:
+    """Validate a published header against the slot size;
+    returns (data_len, small_off, small_len, skel_off, skel_len)."""
     if int(header[F_MAGIC]) != SLOT_MAGIC:
         raise SlotCorrupt(f"bad slot magic {int(header[F_MAGIC]):#x}")
     data_len = int(header[F_DATA_LEN])
-    skel_off = int(header[F_SKELETON_OFF])
-    skel_len = int(header[F_SKELETON_LEN])
-    if (data_len % 64 or DATA_OFF + data_len > slot_size or skel_off < DATA_OFF + data_len
-            or skel_off + skel_len > slot_size):
+    small_off, small_len = int(header[F_SMALL_OFF]), int(header[F_SMALL_LEN])
+    skel_off, skel_len = int(header[F_SKELETON_OFF]), int(header[F_SKELETON_LEN])
+    if (data_len % 64 or small_len % 64 or DATA_OFF + data_len > slot_size
+            or small_off < DATA_OFF + data_len or small_len > SMALL_BATCH_BYTES + 64
+            or skel_off < small_off + small_len or skel_off + skel_len > slot_size):
         raise SlotCorrupt(
-            f"slot header out of bounds: data {data_len} bytes, skeleton {skel_len} bytes at "
-            f"{skel_off}, slot {slot_size} bytes")
-    return data_len, skel_off, skel_len
+            f"slot header out of bounds: data {data_len} bytes, small block {small_len} bytes "
+            f"at {small_off}, skeleton {skel_len} bytes at {skel_off}, slot {slot_size} bytes")
+    return data_len, small_off, small_len, skel_off, skel_len
 
 
-def decode(mapping, header: np.ndarray):
-    """Rebuild the payload of a published slot as views over it.
+def decode(mapping, header: np.ndarray, registry: dict | None = None, on_release=None,
+           key=None):
+    """Rebuild the payload of a published slot.
 
-    Returns (payload, lease) where `lease` is the uint8 array every view keeps
-    alive (directly or through torch's storage), or None when the payload holds
-    no view (then the slot can be reused at once).
+    Returns (payload, lease). The lease covers the data region; it is created first
+    thing and, with `registry`/`on_release`, registered in C (`take_lease`), so from
+    then on the slot belongs to the lease: its death, whenever the last tensor of the
+    batch in the slot dies (right away if none), hands `key` back through
+    `on_release`. `lease` is None when the payload holds nothing in the slot.
     """
-    data_len, skel_off, skel_len = check_header(header, mapping.size)
-    data = np.frombuffer(mapping, np.uint8, count=data_len, offset=DATA_OFF)
+    # the lease first, over whatever the header claims (clamped to the slot), so a
+    # corrupt header below is an error whose lease still gives the slot back
+    claimed = min(int(header[F_DATA_LEN]), mapping.size - DATA_OFF)
+    if registry is not None:
+        lease = take_lease(mapping, DATA_OFF, claimed, registry, on_release, key)
+    else:
+        lease = Lease(mapping, DATA_OFF, claimed)
+    data_len, small_off, small_len, skel_off, skel_len = check_header(header, mapping.size)
     skeleton = bytes(memoryview(mapping)[skel_off:skel_off + skel_len])
     crc = zlib.crc32(skeleton)
     if crc != int(header[F_SKELETON_CRC]):
         raise SlotCorrupt(f"slot skeleton checksum {crc:#010x} does not match the header's "
                           f"{int(header[F_SKELETON_CRC]):#010x} ({skel_len} bytes at {skel_off})")
-    unpickler = _SkeletonUnpickler(io.BytesIO(skeleton), data, DATA_OFF + data_len)
+    small = None
+    if small_len:
+        small = torch.empty(small_len, dtype=torch.uint8)
+        small.numpy()[:] = np.frombuffer(mapping, np.uint8, count=small_len, offset=small_off)
+    unpickler = _SkeletonUnpickler(io.BytesIO(skeleton), lease, small)
     try:
         payload = unpickler.load()
     except SlotCorrupt:
         raise
     except Exception as e:
         raise SlotCorrupt(f"slot skeleton cannot be decoded: {type(e).__name__}: {e}") from e
-    return payload, (data if unpickler.views else None)
+    return payload, (lease if unpickler.views else None)

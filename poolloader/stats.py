@@ -18,7 +18,10 @@ class LoaderStats:
                      consumer, or a pool with too few free slots, is the bottleneck)
     worker_batches   batches workers produced (includes prefetched ones)
     slot_growths     slots replaced by a bigger segment (a batch did not fit)
-    pool_growths     slots added because the consumer held every slot
+    pool_growths     slots added to the pool (only when slots= is below what
+                     num_workers × prefetch_factor requests in flight need)
+    detaches         held batches detached from the pool: the consumer kept every
+                     slot's batch, so the oldest one's segment left the pool with it
     slot_count, slot_bytes, pool_bytes: the current pool (0 when none exists)
 
     Every counter accumulates over the loader's lifetime (a non-persistent loader
@@ -32,6 +35,7 @@ class LoaderStats:
         self.main_wait_s = 0.0
         self.slot_growths = 0
         self.pool_growths = 0
+        self.detaches = 0
         self.learned_slot_bytes = 0
         self._closed_workers = [0, 0, 0]  # worker columns of pools already closed
         self._pool = None
@@ -91,6 +95,7 @@ class LoaderStats:
             "worker_busy_s": round(self.worker_busy_s, 6),
             "worker_idle_s": round(self.worker_idle_s, 6),
             "slot_growths": self.slot_growths, "pool_growths": self.pool_growths,
+            "detaches": self.detaches,
             "slot_count": self.slot_count, "slot_bytes": self.slot_bytes,
             "pool_bytes": self.pool_bytes,
         }

@@ -129,7 +129,7 @@ def worker_loop(cfg: WorkerConfig) -> None:
             if fresh:
                 payload, status = pending.pop(slot)
             else:
-                req_epoch = int(header[fmt.F_EPOCH])
+                req_epoch = fmt.request_epoch(header)
                 if req_epoch != epoch:
                     epoch = req_epoch
                     iteration_end = False
@@ -142,7 +142,7 @@ def worker_loop(cfg: WorkerConfig) -> None:
                                 where=f"in DataLoader worker process {cfg.worker_id}")
                 payload, status = None, fmt.ST_END
                 if not iteration_end:
-                    writer.begin(mapping)
+                    writer.begin(mapping, slot)
                     slot_collate_mod._set_writer(writer)
                     try:
                         if init_exception is not None:
@@ -164,9 +164,8 @@ def worker_loop(cfg: WorkerConfig) -> None:
                         status = fmt.ST_ERROR
                     finally:
                         slot_collate_mod._set_writer(None)
-            header[fmt.F_WORKER] = cfg.worker_id
             if status == fmt.ST_END:
-                header[fmt.F_STATUS] = fmt.ST_END
+                fmt.mark_end(header)
             else:
                 _publish(writer, mapping, header, slot, payload, status, pending, cfg.worker_id, fresh)
             del payload
@@ -192,22 +191,20 @@ def _publish(writer, mapping, header, slot, payload, status, pending, worker_id,
     growth, or an error); otherwise the collate already allocated in it.
     """
     if fresh or writer.mapping is not mapping:
-        writer.begin(mapping)
+        writer.begin(mapping, slot, check_kept=False)
     try:
         fmt.encode(writer, header, payload, status)
     except fmt.NeedsGrow as grow:
         pending[slot] = (payload, status)
-        header[fmt.F_NEEDED] = grow.needed
-        header[fmt.F_STATUS] = fmt.ST_GROW
+        fmt.mark_grow(header, grow.needed)
     except Exception:
         # The batch cannot be carried (e.g. an unpicklable element): report why.
         error = ExceptionWrapper(where=f"in DataLoader worker process {worker_id}")
-        writer.begin(mapping)
+        writer.begin(mapping, slot, check_kept=False)
         try:
             fmt.encode(writer, header, error, fmt.ST_ERROR)
         except fmt.NeedsGrow as grow:
             pending[slot] = (error, fmt.ST_ERROR)
-            header[fmt.F_NEEDED] = grow.needed
-            header[fmt.F_STATUS] = fmt.ST_GROW
+            fmt.mark_grow(header, grow.needed)
     finally:
         writer.end()

@@ -202,7 +202,11 @@ def fuzz(examples: str = "400") -> None:
         end = int(header[fmt.F_SKELETON_OFF]) + int(header[fmt.F_SKELETON_LEN])
         pristine = bytes(memoryview(mapping)[:end])
         payload, lease = fmt.decode(mapping, header)  # the unmodified slot decodes
-        assert (lease is None) == (name == "error"), name
+        base, data_end = mapping.address, fmt.DATA_OFF + int(header[fmt.F_DATA_LEN])
+        in_slot = _check_views(payload, base + fmt.DATA_OFF, base + data_end, base,
+                               base + mapping.size)
+        # the lease is kept exactly when a tensor of the batch stays in the slot
+        assert (lease is None) == (in_slot == 0), name
         del payload, lease
         slots[name] = (mapping, header, pristine)
 
@@ -343,13 +347,19 @@ def fuzz(examples: str = "400") -> None:
     anyint = st.one_of(small, st.sampled_from([2**31, 2**32 + 1, 2**62, 2**63, 2**64, -(2**63)]),
                        st.integers(fmt.DATA_OFF - 128, fmt.DATA_OFF + slot_bytes))
     dims = st.lists(anyint, max_size=6).map(tuple)
-    near_valid = st.tuples(
+    near_valid = st.tuples(  # a tensor in the data region: (kind, code, offset, shape, stride, count)
         st.just(1), st.integers(0, len(fmt.DTYPES) - 1),
         st.integers(fmt.DATA_OFF - 64, fmt.DATA_OFF + (1 << 17)).map(lambda o: o // 8 * 8),
         st.lists(st.integers(0, 40), max_size=4).map(tuple),
+        st.lists(st.integers(0, 40), max_size=4).map(tuple),
+        st.one_of(st.integers(0, 1 << 16), anyint))
+    near_small = st.tuples(  # a tensor in the small block: (kind, code, offset, shape, stride)
+        st.just(3), st.integers(0, len(fmt.DTYPES) - 1),
+        st.integers(-64, 1 << 12).map(lambda o: o // 8 * 8),
+        st.lists(st.integers(0, 40), max_size=4).map(tuple),
         st.lists(st.integers(0, 40), max_size=4).map(tuple))
     pid = st.one_of(
-        near_valid, near_valid,
+        near_valid, near_valid, near_small,
         st.tuples(st.sampled_from([1, 2, 0, 3, True]), st.one_of(small, st.none()),
                   anyint, dims, dims),
         st.tuples(st.just(2), st.sampled_from(["<f4", "|u1", "<c16", "|O", "i4,f8", "(2,3)<i2",
@@ -377,7 +387,7 @@ def fuzz(examples: str = "400") -> None:
     def data_bits(name, data):
         mapping, header, pristine = slots[name]
         restore(mapping, pristine)
-        data_len = int(header[fmt.F_DATA_LEN])
+        data_len = int(header[fmt.F_DATA_LEN]) + int(header[fmt.F_SMALL_LEN])  # and the small block
         if not data_len:
             return
         u8 = np.frombuffer(mapping, np.uint8, count=data_len, offset=fmt.DATA_OFF)

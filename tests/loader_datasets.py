@@ -204,3 +204,29 @@ def rfdetr_collate(batch):
     images = torch.stack([b[0] for b in batch])
     masks = torch.stack([b[1] for b in batch])
     return images, masks, tuple(b[2] for b in batch)
+
+
+KEPT = []
+
+
+def keeping_collate(batch):
+    """A collate that keeps what it returns (a bug the worker must warn about)."""
+    from poolloader import slot_collate
+    out = slot_collate(batch)
+    KEPT.append(out)
+    return out
+
+
+class ListDataset(Dataset):
+    """Serves given items, each after `delay` seconds (so a reader can be made late)."""
+
+    def __init__(self, items, delay=0.0):
+        self.items = items
+        self.delay = delay
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        time.sleep(self.delay)
+        return self.items[i]

@@ -451,8 +451,9 @@ def test_jpeg_pipeline_matches_dataloader(coco_dir, options):
     batches = packed = 0
     for a, b in lockstep(ref, got):
         assert_exact(a, b, f"batch{batches}")
-        storages = {t.untyped_storage().data_ptr() for t in tensors_of(b)}
-        assert len(storages) == 1, "every tensor of a PoolLoader batch is a view of its slot"
+        for t in tensors_of(b):  # a batch the user owns: each slot tensor has its own storage
+            if t.nbytes > fmt.SMALL_TENSOR_BYTES:
+                assert t.untyped_storage().nbytes() == t.nbytes, "one storage per tensor"
         packed += isinstance(b[2], PackedTargets)
         batches += 1
     assert batches == 6

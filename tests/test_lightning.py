@@ -31,7 +31,7 @@ pytestmark = [
 
 N = 48
 FEATURES = 8
-POOL_OPTIONS = dict(slot_bytes=1 << 16, slots=6, max_slots=13, shm_limit=64 << 20)
+POOL_OPTIONS = dict(slot_bytes=1 << 16, slots=6, shm_limit=64 << 20)
 
 
 class Regression(Dataset):

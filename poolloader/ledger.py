@@ -1,0 +1,213 @@
+"""Main's ledger of slots: who owns each one, and the rules for sizing and reuse.
+
+Slot states, all owned by main except IN_WORKER (invariant 1):
+
+    FREE       in `free` (or cooling behind a CUDA event in the gate)
+    IN_WORKER  in `inflight`: pushed on the worker's request ring
+    READY      back from its worker, not yet delivered (the iterator's reorder buffer)
+    LEASED     delivered: a Lease (poolloader._shm) views its data region and is
+               registered in `leases`; when the lease dies its weakref lands on
+               `released` (a C-level deque.append, any thread) and `drain()` makes
+               the slot FREE again
+
+Ownership (DESIGN.md): a request never waits for the consumer. When a request
+needs a slot and none is FREE, the oldest LEASED slot is *detached*: its segment
+leaves the pool and stays with the batch that still views it (like a DataLoader
+batch, freed when its last tensor dies), and the slot gets a fresh segment. A slot
+whose mapping was inherited by a forked child (`Mapping.forked`, set by the fork
+hook in poolloader._shm) is detached when its batch is released, never reused.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import warnings
+
+from poolloader import slot_format as fmt
+from poolloader._shm import share_leased_with_children
+from poolloader.errors import ShmSpaceError, SlotCorrupt
+from poolloader.pool import SlotPool, page_round, retire
+
+# Headroom when a slot grows.
+GROWTH_FACTOR = 1.25
+# Slots beyond num_workers * prefetch_factor for batches the consumer holds.
+SPARE_SLOTS = 2
+
+os.register_at_fork(before=share_leased_with_children)
+
+
+def default_slots(num_workers: int, prefetch_factor: int) -> int:
+    return num_workers * prefetch_factor + SPARE_SLOTS
+
+
+def slot_capacity(slots: int, num_workers: int, prefetch_factor: int) -> int:
+    """Slots the pool may hold: at least DataLoader's requests in flight plus the
+    batch being delivered and the one a `for` loop still holds, so the common loop
+    never detaches (a smaller slots= grows to this once: pool_growths)."""
+    return max(slots, default_slots(num_workers, prefetch_factor))
+
+
+class SlotLedger:
+    def __init__(self, pool: SlotPool, stats, gate=None):
+        self.pool = pool
+        self.gate = gate
+        self.stats = stats
+        self.free: list[int] = list(range(pool.num_slots - 1, -1, -1))
+        self.inflight: dict[int, tuple[int, int]] = {}  # slot -> (seq, worker)
+        self.leases: dict = {}     # weakref to a Lease -> slot; oldest first
+        self.detached: dict = {}   # weakref to a Lease -> mapping out of the pool
+        self.released: collections.deque = collections.deque()
+        self.on_release = self.released.append  # C-level: no bytecode in the callback
+        self._headers: dict[int, tuple[object, object]] = {}
+        self._warned_detach = False
+
+    # -- views of a slot --------------------------------------------------------
+    def mapping(self, slot: int):
+        return self.pool.mappings[slot]
+
+    def header(self, slot: int):
+        mapping = self.pool.mappings[slot]
+        cached = self._headers.get(slot)
+        if cached is None or cached[0] is not mapping:
+            cached = self._headers[slot] = (mapping, fmt.header_view(mapping))
+        return cached[1]
+
+    # -- FREE -----------------------------------------------------------------------
+    def take(self, min_bytes: int = 0) -> int:
+        """A slot for a new request (at least `min_bytes`, and the current target
+        size), now: FREE, else the oldest LEASED one detached, else a new one."""
+        if self.released:
+            self.drain()
+        if self.gate is not None:
+            self._take_ready(self.gate.ready(wait=False))
+        if self.free:
+            slot = self.free.pop()
+        elif self.pool.num_slots < self.pool.max_slots:
+            slot = self._add()
+        elif self.leases:
+            slot = self._detach_oldest()
+        elif self.gate is not None and self.gate.pending:
+            self._take_ready(self.gate.ready(wait=True))
+            slot = self.free.pop()
+        else:
+            raise SlotCorrupt(f"internal error: all {self.pool.num_slots} slots are in flight")
+        pool = self.pool
+        if pool.mappings[slot] is None:
+            self._refill(slot)
+        if pool.size(slot) < max(min_bytes, pool.target_bytes):
+            self.replace(slot, max(min_bytes, pool.target_bytes))
+        return slot
+
+    def give_back(self, slot: int) -> None:
+        """A slot main owns and no view of which was delivered."""
+        if self.gate is not None:
+            self.gate.cool(slot)
+        else:
+            self.free.append(slot)
+
+    def drain(self) -> None:
+        """Take back the slots (and detached segments) whose last view died."""
+        released, leases, pool = self.released, self.leases, self.pool
+        while released:
+            ref = released.popleft()
+            slot = leases.pop(ref, None)
+            if slot is None:
+                mapping = self.detached.pop(ref, None)
+                if mapping is not None:
+                    self._retire(mapping)
+                continue
+            mapping = pool.mappings[slot]
+            if mapping is not None and mapping.forked:
+                # a forked child may still read it: never rewrite, give the slot a new segment
+                self._headers.pop(slot, None)
+                self._retire(pool.detach(slot))
+            self.give_back(slot)
+
+    def _take_ready(self, keys) -> None:
+        for key in keys:
+            if isinstance(key, int):
+                self.free.append(key)
+            else:  # a detached mapping whose copies have finished
+                self.pool.unmap(key)
+
+    def _retire(self, mapping) -> None:
+        if self.gate is not None:
+            self.gate.cool(mapping)
+        else:
+            retire(mapping)
+
+    # -- detach, grow ------------------------------------------------------------------
+    def _detach_oldest(self) -> int:
+        ref = next(iter(self.leases))
+        slot = self.leases.pop(ref)
+        self._headers.pop(slot, None)
+        self.detached[ref] = self.pool.detach(slot)
+        self.stats.detaches += 1
+        if not self._warned_detach:
+            self._warned_detach = True
+            warnings.warn(
+                f"PoolLoader: the consumer still holds batches in all {self.pool.num_slots} "
+                "slots; the oldest ones are detached from the pool (they stay valid and are "
+                "freed when dropped) and their slots get new shared memory. That costs a new "
+                "segment per batch: pass a larger slots= if you keep batches on purpose.",
+                stacklevel=5)
+        return slot
+
+    def _add(self) -> int:
+        try:
+            slot = self.pool.add_slot()
+        except ShmSpaceError as e:
+            raise self._space_error(e) from None
+        self.stats.pool_growths += 1
+        return slot
+
+    def _refill(self, slot: int) -> None:
+        try:
+            self.pool.refill(slot)
+        except ShmSpaceError as e:
+            self.free.append(slot)  # still empty: a later take() refills it
+            raise self._space_error(e) from None
+
+    def replace(self, slot: int, nbytes: int) -> None:
+        self._headers.pop(slot, None)
+        try:
+            self.pool.replace(slot, nbytes)
+        except ShmSpaceError as e:
+            raise self._space_error(e) from None
+        self.stats.slot_growths += 1
+
+    def grow(self, slot: int, needed: int, worker: int) -> None:
+        """A worker needs `slot` to hold `needed` bytes: a fresh, larger segment."""
+        if needed <= self.pool.size(slot):
+            raise SlotCorrupt(f"worker {worker} asked for {needed} bytes for slot {slot}, "
+                              f"which already has {self.pool.size(slot)}")
+        self.replace(slot, page_round(int(needed * GROWTH_FACTOR)))
+
+    def held_bytes(self) -> int:
+        """Shared memory that batches the consumer still holds keep alive."""
+        held = sum(m.size for m in self.detached.values())
+        pool = self.pool
+        return held + sum(pool.size(slot) for slot in self.leases.values())
+
+    def _space_error(self, error: ShmSpaceError) -> ShmSpaceError:
+        held = self.held_bytes()
+        if not held:
+            return error
+        return ShmSpaceError(
+            f"{error} Batches the consumer still holds keep {held} bytes of it "
+            f"({len(self.leases) + len(self.detached)} batches): drop the ones you no longer "
+            "need, or keep copies (tensor.clone()) of what you keep.")
+
+    # -- end ----------------------------------------------------------------------------------
+    def reset_free(self) -> None:
+        """Every slot not in flight and not leased is FREE (persistent workers, new epoch):
+        also takes back any slot an interrupted call left in between."""
+        self.drain()
+        leased = set(self.leases.values())
+        cooling = set(self.gate.keys()) if self.gate is not None else set()
+        self.free = [s for s in range(self.pool.num_slots - 1, -1, -1)
+                     if s not in leased and s not in self.inflight and s not in cooling]
+
+    def close(self) -> None:
+        self._headers.clear()
+        self.detached.clear()  # each mapping is unmapped when its batch's last view dies

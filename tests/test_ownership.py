@@ -1,0 +1,271 @@
+"""A delivered batch belongs to the user, as a DataLoader batch does (DESIGN.md,
+"Ownership"): keep it, keep part of it, save it, fork. Each case runs the stock
+DataLoader in the same test as the reference, with real workers over real shared
+memory."""
+from __future__ import annotations
+
+import copy
+import gc
+import io
+import os
+import pickle
+import signal
+import time
+import types
+import warnings
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch.utils.data import DataLoader, TensorDataset
+
+import loader_datasets as ds
+from poolloader import PoolLoader
+from poolloader import slot_format as fmt
+from test_loader import assert_same
+
+BOTH = (DataLoader, PoolLoader)
+
+
+def rfdetr_loader(cls, batches, hw=96, batch_size=16, **kw):
+    kw.setdefault("num_workers", 2)
+    return cls(ds.RFDETRShaped(n=batches * batch_size, hw=hw), batch_size=batch_size,
+               collate_fn=ds.rfdetr_collate, **kw)
+
+
+def pool_shm_bytes() -> int:
+    """Bytes of poolloader segments this process maps now (pool and held batches)."""
+    total = 0
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if "/dev/shm/pl-" in line:
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                total += hi - lo
+    return total
+
+
+def quietly(fn, *args, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the detach notice and torch's core count
+        return fn(*args, **kw)
+
+
+# -- keep every batch ----------------------------------------------------------------
+
+@pytest.mark.timeout(120)
+def test_list_of_100_rfdetr_batches_equals_dataloader():
+    ref = list(rfdetr_loader(DataLoader, 100))
+    loader = rfdetr_loader(PoolLoader, 100)
+    with pytest.warns(UserWarning, match="detached"):
+        got = list(loader)
+    assert len(got) == len(ref) == 100
+    for i, (a, b) in enumerate(zip(ref, got)):
+        assert_same(a, b, f"batch{i}")
+    assert loader.stats.detaches > 0  # the held batches left the pool; nothing was exhausted
+    del got
+    gc.collect()
+
+
+@pytest.mark.timeout(120)
+def test_keeping_small_fields_of_1000_batches_pins_no_slot():
+    """An evaluator that keeps labels/boxes: the image of each batch lives in the slot,
+    the targets are small and copied out, so keeping them keeps no shared memory."""
+    kept = {}
+    for cls in BOTH:
+        loader = rfdetr_loader(cls, 1000, hw=64, batch_size=2, persistent_workers=True)
+        it = iter(loader)
+        kept[cls] = [next(it)[2] for _ in range(1000)]
+        if cls is PoolLoader:
+            held = pool_shm_bytes()  # the pool itself plus anything the kept fields pin
+            assert held <= 64 << 20, f"{held} bytes of /dev/shm held for 1,000 batches' targets"
+            assert loader.stats.detaches == 0 and loader.stats.pool_growths == 0
+        del it, loader
+    assert_same(kept[DataLoader], kept[PoolLoader], "targets")
+
+
+# -- save, copy, share one field -----------------------------------------------------------
+
+def saved_bytes(t: torch.Tensor) -> int:
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    return len(buf.getvalue())
+
+
+def test_save_deepcopy_and_share_act_on_one_tensor():
+    batches = {cls: next(iter(rfdetr_loader(cls, 1, hw=160, batch_size=4))) for cls in BOTH}
+    ref, got = batches[DataLoader], batches[PoolLoader]
+    label, image = got[2][0]["labels"], got[0]
+    assert_same(ref[2][0]["labels"], label)
+    # a large field: exactly its own bytes, as DataLoader's
+    assert image.untyped_storage().nbytes() == image.nbytes
+    assert abs(saved_bytes(image) - saved_bytes(ref[0])) < 1024
+    twin = copy.deepcopy(image)
+    assert twin.untyped_storage().nbytes() == image.nbytes and torch.equal(twin, ref[0])
+    # a small field: at most the batch's small buffer, never the batch
+    small_buffer = label.untyped_storage().nbytes()
+    assert small_buffer < 16 << 10
+    assert saved_bytes(label) <= saved_bytes(ref[2][0]["labels"]) + small_buffer + 1024  # zip padding
+    assert copy.deepcopy(label).untyped_storage().nbytes() <= small_buffer
+    # share_memory_() moves that tensor alone into shared memory, values intact
+    mask = got[1]
+    assert mask.nbytes > fmt.SMALL_TENSOR_BYTES
+    mask.share_memory_()
+    assert mask.is_shared() and mask.untyped_storage().nbytes() == mask.nbytes
+    assert torch.equal(mask, ref[1])
+
+
+def _sum_in_child(queue, out):
+    t = queue.get(timeout=30)
+    out.put(float(t.double().sum()))
+
+
+def test_a_field_sent_to_another_process_is_that_tensor():
+    ctx = mp.get_context("spawn")
+    sums = {}
+    for cls in BOTH:
+        image = next(iter(rfdetr_loader(cls, 1, batch_size=2)))[0]
+        queue, out = ctx.Queue(), ctx.Queue()
+        child = ctx.Process(target=_sum_in_child, args=(queue, out))
+        child.start()
+        try:
+            queue.put(image)
+            sums[cls] = out.get(timeout=60)
+        finally:
+            child.join(30)
+            if child.is_alive():
+                child.kill()
+                child.join(5)
+        assert sums[cls] == float(image.double().sum())
+    assert sums[DataLoader] == sums[PoolLoader]
+
+
+# -- fork ---------------------------------------------------------------------------------
+
+def _fork_and_check(held, expected, then):
+    """Fork a child that reads `held` after `then()` ran in the parent; its verdict."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: let the parent reuse what it can, then read
+        os.close(r)
+        verdict = b"bad"
+        try:
+            time.sleep(0.5)
+            if all(torch.equal(h[0], e) for h, e in zip(held, expected)):
+                verdict = b"ok"
+        finally:
+            os.write(w, verdict)
+            os._exit(0)
+    os.close(w)
+    try:
+        then()
+        deadline = time.monotonic() + 60
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            assert time.monotonic() < deadline, "forked child did not finish"
+            time.sleep(0.01)
+        assert os.WIFEXITED(status), f"forked child died: status {status:#x}"
+        return os.read(r, 16)
+    finally:
+        os.close(r)
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+
+
+@pytest.mark.timeout(120)
+def test_forked_child_reads_held_batches_while_the_parent_reuses_slots():
+    data = TensorDataset(torch.arange(60 * 40_000, dtype=torch.float32).view(60, 40_000))
+    for cls in BOTH:
+        it = iter(cls(data, batch_size=2, num_workers=2))
+        held = [next(it) for _ in range(3)]
+        expected = [h[0].clone() for h in held]
+
+        def then():
+            held.clear()  # the parent drops them and iterates on: their slots come back
+            gc.collect()
+            for _ in it:
+                pass
+        assert _fork_and_check(list(held), expected, then) == b"ok", cls.__name__
+
+
+@pytest.mark.timeout(120)
+def test_fork_started_dataloader_serves_cached_batches():
+    data = TensorDataset(torch.arange(60 * 40_000, dtype=torch.float32).view(60, 40_000))
+    for cls in BOTH:
+        it = iter(cls(data, batch_size=2, num_workers=2))
+        cache = [next(it)[0] for _ in range(4)]
+        expected = [c.clone() for c in cache]
+        serve = DataLoader(ds.ListDataset(cache, delay=0.2), batch_size=None, num_workers=2,
+                           multiprocessing_context="fork", timeout=60)
+        served = iter(serve)  # workers forked now, with the cached batches
+        del cache
+        gc.collect()
+        for _ in it:  # the source loader reuses what it can meanwhile
+            pass
+        got = list(served)
+        assert len(got) == 4
+        for a, b in zip(got, expected):
+            assert torch.equal(a, b), cls.__name__
+
+
+# -- scheduling while the consumer holds batches --------------------------------------------
+
+@pytest.mark.parametrize("in_order", [True, False])
+def test_requests_go_out_as_dataloaders_while_batches_are_held(in_order):
+    """With every batch held, a request never waits for the consumer: the number of
+    requests in flight after each next() is DataLoader's, so worker assignment is too."""
+    data = TensorDataset(torch.arange(40 * 20_000, dtype=torch.float32).view(40, 20_000))
+    outstanding, delivered = {}, {}
+    for cls in BOTH:
+        it = iter(cls(data, batch_size=2, num_workers=2, in_order=in_order, prefetch_factor=2))
+        held, counts = [], []
+        for batch in quietly(lambda: list(_drive(it, counts))):
+            held.append(batch)
+        outstanding[cls] = counts
+        delivered[cls] = sorted(int(b[0][0, 0]) for b in held)
+        del it, held
+    assert outstanding[PoolLoader] == outstanding[DataLoader]
+    assert delivered[PoolLoader] == delivered[DataLoader]
+
+
+def _drive(it, counts):
+    for batch in it:
+        counts.append(it._tasks_outstanding)
+        yield batch
+
+
+# -- worker side, release path ------------------------------------------------------------------
+
+def test_worker_that_keeps_a_slot_tensor_is_warned(capfd):
+    data = TensorDataset(torch.arange(40 * 100, dtype=torch.float32).view(40, 100))
+    ref = [b[0] for b in DataLoader(data, batch_size=2, num_workers=1, collate_fn=ds.keeping_collate)]
+    got = [b[0].clone() for b in PoolLoader(data, batch_size=2, num_workers=1,
+                                            collate_fn=ds.keeping_collate)]
+    assert_same(ref, got)
+    err = capfd.readouterr().err
+    assert "still alive after its batch was sent" in err and "clone()" in err, err[-2000:]
+
+
+def test_release_callback_runs_no_python_bytecode():
+    """A signal handler can only run between bytecodes: the callback that gives a slot
+    back when a batch dies is a C-level bound method, so no KeyboardInterrupt or
+    SystemExit can land in it (and be swallowed as 'Exception ignored in')."""
+    data = TensorDataset(torch.zeros(8, 20_000))
+    it = iter(PoolLoader(data, batch_size=2, num_workers=1))
+    batch = next(it)
+    refs = list(it._ledger.leases)
+    assert refs, "the batch's tensor stays in the slot, so its lease is registered"
+    assert all(type(r.__callback__) is types.BuiltinMethodType for r in refs)
+    del batch
+    assert it._ledger.released, "the dead lease was queued"
+    list(it)
+
+
+def test_pickled_batch_round_trips_like_dataloaders():
+    for cls in BOTH:
+        batch = next(iter(rfdetr_loader(cls, 1, batch_size=2)))
+        assert_same(pickle.loads(pickle.dumps(batch)), batch)
