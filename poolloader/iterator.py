@@ -112,6 +112,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         self._staged = None
         self._host_done = False
         self._deferred_error = None
+        self._refill_error = None
         self._ended = False
         if not first_iter:
             self._reclaim_all()
@@ -269,11 +270,22 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         self._staged = following
         return self._stager.deliver(ticket)
 
+    def _refill(self, keep_error: bool = False) -> None:
+        try:
+            self._try_put_index()
+        except Exception as error:
+            if not keep_error:
+                raise
+            self._refill_error = error
+
     def _next_host(self):
         if self._shutdown:
             if self._ended:
                 raise StopIteration
             raise RuntimeError(self._dead_message())
+        if self._refill_error is not None:
+            error, self._refill_error = self._refill_error, None
+            raise error
         ledger = self._ledger
         while True:
             while self._rcvd_idx < self._send_idx:
@@ -338,8 +350,12 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
             payload, _lease = fmt.decode(ledger.mapping(slot), header, ledger.leases,
                                          ledger.on_release, slot)
             del _lease
-        finally:
-            self._try_put_index()
+        except BaseException:
+            self._refill()
+            raise
+        # an error while refilling (the sampler, a request that cannot be pickled) must
+        # not take this batch with it: it is raised by the next call instead
+        self._refill(keep_error=True)
         self._stats.batches += 1
         if error:
             if not isinstance(payload, ExceptionWrapper):

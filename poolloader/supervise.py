@@ -13,7 +13,9 @@ import atexit
 import signal
 import threading
 import time
+import warnings
 import weakref
+from pickle import PicklingError
 
 from poolloader.errors import WorkerDied
 
@@ -68,7 +70,18 @@ def _poll_wait(popen, timeout=None):
 def start_worker(ctx, target, args):
     """Start one daemon worker process and drop its parent-side pipe ends."""
     process = ctx.Process(target=target, args=args, daemon=True)
-    process.start()
+    try:
+        process.start()
+    except (TypeError, AttributeError, PicklingError):
+        # what DataLoader says, word for word, before it re-raises (spawn/forkserver)
+        warnings.warn(
+            "Got pickle error when attempting to start a worker Process. "
+            "This might be because the worker Process arguments are not picklable. "
+            "Python 3.14+ changed the multiprocessing start method in non-Mac POSIX platforms "
+            "to 'forkserver', which requires the worker Process arguments to be picklable. "
+            "You can also try multiprocessing.set_start_method('fork').",
+            stacklevel=4)
+        raise
     popen = process._popen
     if type(popen).__module__ in _WAITPID_POPENS and getattr(popen, "finalizer", None):
         popen.finalizer()

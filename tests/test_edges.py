@@ -1,0 +1,205 @@
+"""DataLoader at the edges (issue 12): each case with the stock DataLoader in the same
+test as the reference, real workers, real shared memory, bounded waits."""
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import sys
+import warnings
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+import loader_datasets as ds
+from poolloader import PoolLoader, WorkerDied
+
+BOTH = (DataLoader, PoolLoader)
+
+
+@pytest.mark.timeout(180)
+def test_batch_size_40960_delivers_every_row_once():
+    rows = 200_000
+    data = TensorDataset(torch.arange(rows, dtype=torch.int64))
+    seen = {}
+    for cls in BOTH:
+        loader = cls(data, batch_size=40_960, shuffle=True, num_workers=2,
+                     generator=torch.Generator().manual_seed(3))
+        seen[cls] = [b[0] for b in loader]
+    assert [len(b) for b in seen[PoolLoader]] == [len(b) for b in seen[DataLoader]]
+    for a, b in zip(seen[DataLoader], seen[PoolLoader]):
+        assert torch.equal(a, b)
+    assert torch.equal(torch.sort(torch.cat(seen[PoolLoader])).values, torch.arange(rows))
+
+
+class OneHugeBatch:
+    """A batch sampler with one index list far over the request area among normal ones."""
+
+    def __init__(self, n=64):
+        self.n = n
+
+    def __iter__(self):
+        yield [0, 1]
+        yield list(range(self.n)) * 400  # ~25,600 indices
+        yield [2, 3]
+
+    def __len__(self):
+        return 3
+
+
+def test_a_huge_index_list_among_normal_ones():
+    data = TensorDataset(torch.arange(64))
+    out = {cls: [b[0].sum().item() for b in cls(data, batch_sampler=OneHugeBatch(), num_workers=2)]
+           for cls in BOTH}
+    assert out[PoolLoader] == out[DataLoader]
+
+
+class FailingBatchSampler:
+    """Yields 6 batches, then raises while the loader refills its pipeline."""
+
+    def __iter__(self):
+        for i in range(6):
+            yield [2 * i, 2 * i + 1]
+        raise ValueError("sampler broke after 6 batches")
+
+    def __len__(self):
+        return 8
+
+
+def test_refill_error_never_replaces_a_decoded_batch():
+    data = TensorDataset(torch.arange(16))
+    delivered = {}
+    for cls in BOTH:
+        it = iter(cls(data, batch_sampler=FailingBatchSampler(), num_workers=2, prefetch_factor=1))
+        got = []
+        with pytest.raises(ValueError, match="sampler broke"):
+            while True:
+                got.append(next(it)[0].tolist())
+        delivered[cls] = got
+        del it
+    # DataLoader raises from the next() whose refill failed and loses that batch;
+    # PoolLoader delivers it and raises on the call after
+    assert delivered[PoolLoader][:len(delivered[DataLoader])] == delivered[DataLoader]
+    assert len(delivered[PoolLoader]) == len(delivered[DataLoader]) + 1
+    assert delivered[PoolLoader] == [[2 * i, 2 * i + 1] for i in range(len(delivered[PoolLoader]))]
+
+
+def nested_collate(batch):
+    return torch.nested.nested_tensor([b[0][: int(b[0][0]) + 1] for b in batch])
+
+
+def test_nested_tensors_take_the_pickled_fallback():
+    data = TensorDataset(torch.arange(40, dtype=torch.float32).view(10, 4) % 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch: nested tensors are a prototype
+        out = {cls: list(cls(data, batch_size=3, num_workers=2, collate_fn=nested_collate))
+               for cls in BOTH}
+    assert len(out[PoolLoader]) == len(out[DataLoader]) == 4
+    for a, b in zip(out[DataLoader], out[PoolLoader]):
+        assert b.is_nested
+        assert [x.tolist() for x in a.unbind()] == [x.tolist() for x in b.unbind()]
+
+
+def test_persistent_loader_after_a_worker_died_says_so():
+    for cls in BOTH:
+        loader = cls(ds.PidDataset(n=40), batch_size=2, num_workers=2, persistent_workers=True,
+                     timeout=30)
+        it = iter(loader)
+        os.kill(int(next(it)[0, 1]), signal.SIGKILL)
+        with pytest.raises(RuntimeError, match="exited unexpectedly"):
+            for _ in it:
+                pass
+        # iterating the loader again: a clear error, never an AttributeError from internals
+        with pytest.raises(RuntimeError) as again:
+            for _ in loader:
+                pass
+        assert not isinstance(again.value, AttributeError)
+        if cls is PoolLoader:
+            assert "shut down by the error raised before" in str(again.value)
+            assert "WorkerDied" in str(again.value) and "build the loader again" in str(again.value)
+            with pytest.raises(RuntimeError, match="WorkerDied"):
+                next(it)
+        del it, loader
+        gc.collect()
+
+
+def test_forkserver_unpicklable_init_fn_warns_then_raises():
+    def local_init(worker_id):  # a local function: not picklable
+        pass
+    for cls in BOTH:
+        loader = cls(TensorDataset(torch.arange(8)), batch_size=2, num_workers=1,
+                     multiprocessing_context="forkserver", worker_init_fn=local_init)
+        with pytest.warns(UserWarning, match="Got pickle error when attempting to start a worker"):
+            with pytest.raises((AttributeError, TypeError, Exception)) as raised:
+                iter(loader)
+        assert "local_init" in str(raised.value) or "pickle" in str(raised.value).lower()
+
+
+def test_worker_objects_still_join_and_report_exit_codes():
+    for cls in BOTH:
+        it = iter(cls(TensorDataset(torch.arange(8)), batch_size=2, num_workers=2))
+        workers = list(it._workers)
+        assert all(w.is_alive() and w.exitcode is None for w in workers)
+        workers[0].join(0.05)  # alive: times out, no error
+        assert workers[0].is_alive()
+        assert len(list(it)) == 4  # the epoch ends: the loader stops its workers
+        for w in workers:
+            w.join(10)
+            assert not w.is_alive() and w.exitcode is not None
+    # a worker killed under a PoolLoader: join returns and the exit code says how it died
+    it = iter(PoolLoader(TensorDataset(torch.arange(8)), batch_size=2, num_workers=2))
+    os.kill(it._workers[1].pid, signal.SIGKILL)
+    it._workers[1].join(10)
+    assert it._workers[1].exitcode == -signal.SIGKILL
+    with pytest.raises(WorkerDied, match="signal 9"):
+        list(it)
+
+
+class _Interrupt:
+    """A trace function that raises KeyboardInterrupt once, at a chosen line of a chosen
+    function: an asynchronous exception placed exactly, without mocking anything."""
+
+    def __init__(self, code, line):
+        self.code, self.line, self.fired = code, line, False
+
+    def __call__(self, frame, event, arg):
+        if frame.f_code is self.code:
+            return self.local
+        return None
+
+    def local(self, frame, event, arg):
+        if event == "line" and frame.f_lineno == self.line and not self.fired:
+            self.fired = True
+            raise KeyboardInterrupt
+        return self.local
+
+
+def test_keyboard_interrupt_after_decode_loses_no_slot():
+    """KeyboardInterrupt right after a batch was decoded, before next() returns it: the
+    batch is gone (as with DataLoader) but its slot comes back, epoch after epoch."""
+    from poolloader.iterator import PoolLoaderIter
+    code = PoolLoaderIter._process_data.__code__
+    source, first = __import__("inspect").getsourcelines(PoolLoaderIter._process_data)
+    line = first + next(i for i, text in enumerate(source) if "del _lease" in text)
+    data = TensorDataset(torch.arange(40 * 20_000, dtype=torch.float32).view(40, 20_000))
+    loader = PoolLoader(data, batch_size=2, num_workers=2, persistent_workers=True)
+    for epoch in range(3):
+        it = iter(loader)
+        next(it)
+        trace = _Interrupt(code, line)
+        sys.settrace(trace)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                next(it)
+        finally:
+            sys.settrace(None)
+        assert trace.fired
+        assert sum(1 for _ in it) == 18
+    gc.collect()
+    ledger = it._ledger
+    ledger.drain()
+    assert len(ledger.free) == ledger.pool.num_slots and not ledger.leases
+    assert loader.stats.detaches == 0 and loader.stats.pool_growths == 0
+    ref = [b[0] for b in DataLoader(data, batch_size=2)]
+    assert len(ref) == 20
