@@ -102,6 +102,16 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
             self._shutdown_workers()
             raise
 
+    # -- what a user (or a test) may look at ----------------------------------
+    @property
+    def shm_prefix(self) -> str | None:
+        """The /dev/shm name prefix of this iterator's pool (every name starts with it)."""
+        return None if self._pool is None else self._pool.prefix
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [w.pid for w in self._workers]
+
     # -- epochs --------------------------------------------------------------
     def _reset(self, loader, first_iter=False) -> None:
         if self._shutdown and not first_iter:

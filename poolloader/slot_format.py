@@ -77,7 +77,8 @@ SMALL_TENSOR_BYTES = 64 << 10
 SMALL_BATCH_BYTES = 1 << 20
 SMALL_ALIGN = 16  # the largest itemsize (complex128)
 
-_T, _A, _TS, _AS = 1, 2, 3, 4  # persistent id kinds: tensor/array in the data region, in the small block
+# persistent id kinds: tensor/array in the data region, in the small block; pickled whole
+_T, _A, _TS, _AS, _P = 1, 2, 3, 4, 5
 
 # Dense dtypes a slot carries as views; the code is the index here.
 DTYPES = [
@@ -318,6 +319,10 @@ class _SkeletonPickler(pickle.Pickler):
         return off
 
     def _tensor(self, t: torch.Tensor):
+        if t.is_nested:
+            # torch rebuilds a nested tensor from its buffer's storage start, ignoring a
+            # view's offset: carry it whole, pickled as DataLoader's pickling would
+            return (_P, pickle.dumps(t, protocol=pickle.HIGHEST_PROTOCOL))
         code = DTYPE_CODE.get(t.dtype)
         if code is None or not _plain_tensor(t):
             return None
@@ -426,18 +431,20 @@ def _rebuild_sparse_checked(layout, data):
                                           layout=layout, check_invariants=True)
 
 
-class _SkeletonUnpickler(pickle.Unpickler):
+class _FallbackUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if name == "_rebuild_sparse_tensor" and module == "torch._utils":
+            return _rebuild_sparse_checked
+        return super().find_class(module, name)
+
+
+class _SkeletonUnpickler(_FallbackUnpickler):
     def __init__(self, file, lease: Lease, small: torch.Tensor | None):
         super().__init__(file)
         self.lease = lease        # the batch's bytes of the data region [DATA_OFF, data end)
         self.small = small        # private copy of the small block (uint8), or None
         self.small_typed = [None] * _NUM_DTYPES
         self.views = 0
-
-    def find_class(self, module, name):
-        if name == "_rebuild_sparse_tensor" and module == "torch._utils":
-            return _rebuild_sparse_checked
-        return super().find_class(module, name)
 
     def persistent_load(self, pid):
         # Hot path: one call per tensor of the batch, so it checks only what torch
@@ -471,6 +478,10 @@ class _SkeletonUnpickler(pickle.Unpickler):
                 _, dtype_str, off, shape, order = pid
                 if self.small is not None:
                     return self._array(self.small.numpy(), 0, dtype_str, off, shape, order)
+            elif kind == _P:
+                _, blob = pid
+                if type(blob) is bytes:
+                    return _FallbackUnpickler(io.BytesIO(blob)).load()
         except SlotCorrupt:
             raise
         except (TypeError, ValueError, IndexError, RuntimeError, OverflowError) as e:

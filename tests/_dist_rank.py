@@ -57,7 +57,7 @@ def train(rank, world):
         for epoch in range(EPOCHS):
             sampler.set_epoch(epoch)
             it = iter(loader)
-            prefixes.append(it._pool.prefix)
+            prefixes.append(it.shm_prefix)
             seen = []
             for index, x, y in it:
                 seen.extend(index.tolist())

@@ -436,7 +436,7 @@ def signalled(mode: str) -> None:
     it = iter(loader)
     for k, batch in enumerate(it):
         if k == 5:
-            print("READY", it._pool.prefix, *[w.pid for w in it._workers], flush=True)
+            print("READY", it.shm_prefix, *it.worker_pids, flush=True)
     sys.exit("the epoch ended before any signal came")
 
 
@@ -500,14 +500,14 @@ def concurrent(tag: str, epochs: str) -> None:
     loader = PoolLoader(rds.TaggedSamples(tag, n), batch_size=4, num_workers=2,
                         multiprocessing_context="fork", slot_bytes=1 << 16)
     it = iter(loader)
-    prefixes = [it._pool.prefix]
-    print("READY", it._pool.prefix, flush=True)
+    prefixes = [it.shm_prefix]
+    print("READY", it.shm_prefix, flush=True)
     if sys.stdin.readline().strip() != "go":
         sys.exit("the parent did not say go")
     for epoch in range(int(epochs)):
         if epoch:
             it = iter(loader)
-            prefixes.append(it._pool.prefix)
+            prefixes.append(it.shm_prefix)
         seen = []
         for batch in it:
             index = batch["index"]

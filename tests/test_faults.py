@@ -29,7 +29,7 @@ def test_sigkill_of_main_workers_exit_and_unlink():
                             slot_bytes=1 << 16)
         it = iter(loader)
         next(it)
-        print(it._pool.prefix, *[w.pid for w in it._workers], flush=True)
+        print(it.shm_prefix, *it.worker_pids, flush=True)
         time.sleep(60)
     """)
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
@@ -77,33 +77,29 @@ def test_growth_past_the_limit_is_a_clear_error():
 
 
 def test_segments_are_private_and_exclusive():
-    loader = PoolLoader(ds.AugmentDataset(), batch_size=2, num_workers=1)
-    it = iter(loader)
-    prefix = it._pool.prefix
-    names = sorted(it._pool.live_names)
-    assert names, "expected names still pending unlink right after start"
-    for name in names:
-        try:
-            mode = os.stat("/dev/shm" + name).st_mode
-        except FileNotFoundError:
-            continue  # already unlinked: every worker mapped it
-        assert stat.S_IMODE(mode) == 0o600, oct(mode)
-    assert len(prefix.split("-")[-1]) == 16  # 64 random bits
+    """A pool whose worker never maps its segments keeps every name: each is checked."""
     import posix_ipc
-    from poolloader.pool import create_segment
-    existing = [n for n in names if os.path.exists("/dev/shm" + n)]
-    if existing:
-        with pytest.raises(posix_ipc.ExistentialError):
-            create_segment(existing[0], 4096, "test", 0, None)
-    for _ in it:
-        pass
+    from poolloader.pool import SlotPool, create_segment
+    pool = SlotPool(num_workers=1, slots=2, max_slots=2, slot_bytes=1 << 16)
+    try:
+        names = sorted(pool.live_names)
+        assert len(names) == 3  # the control block and two slots, none acknowledged yet
+        for name in names:
+            assert stat.S_IMODE(os.stat("/dev/shm" + name).st_mode) == 0o600, name
+            assert name.startswith(pool.prefix)
+            with pytest.raises(posix_ipc.ExistentialError):
+                create_segment(name, 4096, "test", 0, None)  # O_EXCL: never reuses a name
+        assert len(pool.prefix.split("-")[-1]) == 16  # 64 random bits
+    finally:
+        pool.close()
+    assert not any(os.path.exists("/dev/shm" + n) for n in names)
 
 
 def test_two_loaders_interleaved_do_not_interfere():
     a = PoolLoader(ds.AugmentDataset(n=30), batch_size=3, num_workers=2)
     b = PoolLoader(ds.SeedInfoDataset(), batch_size=2, num_workers=2)
     ia, ib = iter(a), iter(b)
-    assert ia._pool.prefix != ib._pool.prefix
+    assert ia.shm_prefix != ib.shm_prefix
     got_a, got_b = [], []
     for _ in range(8):
         got_a.append(next(ia)["index"].tolist())

@@ -302,7 +302,7 @@ def test_del_mid_epoch_cleans_up():
     loader = PoolLoader(ds.PidDataset(n=100, delay=0.01), batch_size=2, num_workers=3)
     it = iter(loader)
     next(it)
-    pids = [w.pid for w in it._workers]
+    pids = it.worker_pids
     del it
     gc.collect()
     for pid in pids:

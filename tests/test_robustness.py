@@ -193,8 +193,8 @@ def test_sigkill_of_an_iterable_worker_names_it_within_a_second(when):
     it = iter(loader)
     first = next(it)
     victim_pid, victim_id = int(first[0, 1]), int(first[0, 2])
-    assert victim_pid in [w.pid for w in it._workers]
-    prefix, workers = it._pool.prefix, list(it._workers)
+    assert victim_pid in it.worker_pids
+    prefix, workers = it.shm_prefix, list(it._workers)
     killed_at = []
 
     def kill():

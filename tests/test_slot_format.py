@@ -1,0 +1,169 @@
+"""slot_format on its own: the header protocol and the batch codec, over a real
+shared-memory segment of a real pool (no worker process needed)."""
+from __future__ import annotations
+
+import collections
+import gc
+import pickle
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from poolloader import slot_format as fmt
+from poolloader.errors import SlotCorrupt
+from poolloader.pool import SlotPool
+
+Pair = collections.namedtuple("Pair", "a b")
+
+
+@pytest.fixture
+def slot():
+    pool = SlotPool(num_workers=1, slots=1, max_slots=1, slot_bytes=2 << 20)
+    mapping = pool.mappings[0]
+    try:
+        yield mapping, fmt.header_view(mapping)
+    finally:
+        gc.collect()
+        pool.close()
+
+
+def encode(mapping, header, payload, status=fmt.ST_READY):
+    writer = fmt.SlotWriter()
+    writer.begin(mapping)
+    fmt.encode(writer, header, payload, status)
+    writer.end()
+
+
+def test_requests_small_and_large_round_trip(slot):
+    mapping, header = slot
+    for index in ([1, 2, 3], list(range(40_000))):
+        request = fmt.pickle_request(index)
+        assert (fmt.request_slot_bytes(request) == 0) == (len(request) <= fmt.REQUEST_MAX)
+        fmt.write_request(mapping, header, seq=7, epoch=2, worker=1, request=request)
+        assert fmt.read_request(mapping, header) == index
+        assert fmt.request_epoch(header) == 2
+
+
+def test_reply_must_echo_batch_and_worker(slot):
+    mapping, header = slot
+    fmt.write_request(mapping, header, seq=7, epoch=0, worker=1, request=fmt.pickle_request([0]))
+    encode(mapping, header, torch.zeros(2))
+    assert fmt.reply_status(header, 0, seq=7, worker=1) == fmt.ST_READY
+    with pytest.raises(SlotCorrupt, match="not the reply to batch 8"):
+        fmt.reply_status(header, 0, seq=8, worker=1)
+    with pytest.raises(SlotCorrupt):
+        fmt.reply_status(header, 0, seq=7, worker=0)
+    fmt.mark_grow(header, 5 << 20)
+    assert fmt.reply_status(header, 0, 7, 1) == fmt.ST_GROW and fmt.needed_bytes(header) == 5 << 20
+    fmt.mark_end(header)
+    assert fmt.reply_status(header, 0, 7, 1) == fmt.ST_END
+
+
+def test_small_tensors_are_copied_out_and_large_ones_own_their_storage(slot):
+    mapping, header = slot
+    big = torch.arange(100_000, dtype=torch.float32).view(100, 1000)
+    batch = {"image": big, "t": big.t(), "labels": torch.tensor([3, 1, 4]),
+             "boxes": torch.rand(5, 4), "arr": np.arange(6).reshape(2, 3),
+             "big_arr": np.ones((300, 300), np.float32), "name": "x"}
+    encode(mapping, header, batch)
+    got, lease = fmt.decode(mapping, header)
+    for key in ("image", "t", "labels", "boxes"):
+        assert torch.equal(got[key], batch[key]) and got[key].stride() == batch[key].stride()
+    np.testing.assert_array_equal(got["arr"], batch["arr"])
+    np.testing.assert_array_equal(got["big_arr"], batch["big_arr"])
+    lo, hi = mapping.address, mapping.address + mapping.size
+    for key in ("image", "t"):  # in the slot, one storage each over exactly its span
+        ptr = got[key].untyped_storage().data_ptr()
+        assert lo <= ptr < hi and got[key].untyped_storage().nbytes() == big.nbytes
+    for key in ("labels", "boxes"):  # private, one small buffer per batch
+        assert not lo <= got[key].data_ptr() < hi
+    assert got["labels"].untyped_storage().data_ptr() == got["boxes"].untyped_storage().data_ptr()
+    assert lease is not None and mapping.leases == 1
+    del got, lease
+    gc.collect()
+    assert mapping.leases == 0
+
+
+def test_a_batch_of_small_tensors_keeps_no_lease(slot):
+    mapping, header = slot
+    encode(mapping, header, [torch.arange(10), np.zeros(3)])
+    got, lease = fmt.decode(mapping, header)
+    assert lease is None and mapping.leases == 0
+    assert got[0].tolist() == list(range(10))
+
+
+def test_small_budget_per_batch_keeps_the_rest_in_the_slot(slot):
+    mapping, header = slot
+    n = fmt.SMALL_BATCH_BYTES // fmt.SMALL_TENSOR_BYTES + 4
+    batch = [torch.full((fmt.SMALL_TENSOR_BYTES // 4,), float(i)) for i in range(n)]
+    pool = SlotPool(num_workers=1, slots=1, max_slots=1, slot_bytes=4 << 20)
+    try:
+        mapping = pool.mappings[0]
+        header = fmt.header_view(mapping)
+        encode(mapping, header, batch)
+        got, lease = fmt.decode(mapping, header)
+        assert all(torch.equal(a, b) for a, b in zip(got, batch))
+        in_slot = sum(mapping.address <= t.data_ptr() < mapping.address + mapping.size for t in got)
+        assert in_slot == 4 and lease is not None
+        del got, lease, header
+    finally:
+        gc.collect()
+        pool.close()
+
+
+def test_fallbacks_round_trip_losslessly(slot):
+    mapping, header = slot
+    sparse = torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (3,))
+    grad = torch.ones(3, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        nested = torch.nested.nested_tensor([torch.ones(2), torch.zeros(3)])
+        batch = {"sparse": sparse, "grad": grad, "nested": nested, "obj": np.array([{}, 1], object),
+                 "tuple": Pair(1, torch.ones(1))}
+        encode(mapping, header, batch)
+        got, _ = fmt.decode(mapping, header)
+    assert torch.equal(got["sparse"].to_dense(), sparse.to_dense())
+    assert got["grad"].requires_grad and torch.equal(got["grad"], grad)
+    assert got["nested"].is_nested and [t.tolist() for t in got["nested"].unbind()] == [[1, 1], [0, 0, 0]]
+    assert list(got["obj"]) == [{}, 1] and got["tuple"].a == 1
+    assert pickle.loads(pickle.dumps(got["tuple"])).a == 1
+
+
+def test_a_payload_that_does_not_fit_reports_the_size_it_needs(slot):
+    mapping, header = slot
+    with pytest.raises(fmt.NeedsGrow) as grow:
+        encode(mapping, header, torch.zeros(1 << 20))  # 4 MiB into 2 MiB
+    assert grow.value.needed > 4 << 20
+
+
+def test_corrupt_header_is_an_error_and_gives_the_slot_back(slot):
+    mapping, header = slot
+    encode(mapping, header, torch.zeros(100_000))
+    registry, released = {}, collections.deque()
+    header[fmt.F_SKELETON_LEN] = mapping.size * 2
+    with pytest.raises(SlotCorrupt, match="out of bounds"):
+        fmt.decode(mapping, header, registry, released.append, "slot0")
+    gc.collect()
+    assert len(released) == 1 and registry[released[0]] == "slot0"
+
+
+def test_writer_warns_when_a_slot_tensor_outlives_its_batch(slot):
+    mapping, header = slot
+    writer = fmt.SlotWriter()
+    writer.begin(mapping, 0)
+    kept = writer.empty((4,), torch.float32)
+    fmt.encode(writer, header, kept, fmt.ST_READY)
+    writer.end()
+    with pytest.warns(RuntimeWarning, match=r"clone\(\)"):
+        writer.begin(mapping, 0)
+    writer.end()
+    del kept
+    other = fmt.SlotWriter()
+    other.begin(mapping, 0)
+    other.end()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        other.begin(mapping, 0)  # nothing kept: no warning
+    other.end()
