@@ -32,8 +32,9 @@ import torch
 from torch._utils import ExceptionWrapper
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _MultiProcessingDataLoaderIter
 
+from poolloader import cuda
 from poolloader import slot_format as fmt
-from poolloader.errors import PoolExhausted, SlotCorrupt, WorkerDied
+from poolloader.errors import PoolExhausted, ShmSpaceError, SlotCorrupt, WorkerDied
 from poolloader.pool import SlotPool, page_round
 from poolloader.stats import LoaderStats
 from poolloader.worker import WorkerConfig, worker_loop
@@ -58,6 +59,8 @@ def _shutdown_live_iterators() -> None:
     with _live_lock:
         iterators = list(_live_iterators)
     for it in iterators:
+        if it._gate is not None:
+            it._gate.defer()  # no CUDA call at exit: the process is going away
         it._shutdown_workers()
 
 
@@ -122,22 +125,10 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         self._in_order = loader.in_order
         self._stats: LoaderStats = loader.stats
         self._gate = None
-        self._stager = None
-        self._staged = None
-        self._host_done = False
-        self._deferred_error = None
-        device = getattr(loader, "device", None)
-        if device is not None and torch.device(device).type == "cuda":
-            if not torch.cuda.is_available():
-                raise ValueError(f"device={device!r} needs CUDA, which this machine does not have; "
-                                 "pass device=None (or 'cpu')")
-            self._pin_memory = True  # copies go straight from the registered slots
-        if self._pin_memory and torch.cuda.is_available():
-            from poolloader.cuda import SlotGate
-            self._gate = SlotGate(device)
-        if device is not None:
-            from poolloader.cuda import DeviceStager
-            self._stager = DeviceStager(device)
+        # gate: registers slots and gates their reuse on CUDA copies; stager: what
+        # _next_data hands each host batch to (pinning, or device= copies one ahead)
+        self._gate, self._stager = cuda.setup(loader, self._pin_memory,
+                                              getattr(self, "_pin_memory_device", None))
         n = self._num_workers
         slots = loader.slots if loader.slots is not None else n * self._prefetch_factor + SPARE_SLOTS
         max_slots = loader.max_slots if loader.max_slots is not None else max(2 * slots, slots + 8)
@@ -186,11 +177,8 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
     # -- epochs --------------------------------------------------------------
     def _reset(self, loader, first_iter=False) -> None:
         _BaseDataLoaderIter._reset(self, loader, first_iter)
-        if self._staged is not None:
-            self._stager.wait(self._staged)  # its copy reads a slot about to be reused
-        self._staged = None
-        self._host_done = False
-        self._deferred_error = None
+        if self._stager is not None:
+            self._stager.reset()  # a staged batch's slot cools behind its copy event
         self._ended = False
         if not first_iter:
             self._reclaim_all()
@@ -264,7 +252,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         """Send the requests that waited for a free slot.
 
         With `force` (nothing else in flight: without a request now the epoch
-        would end early) collect garbage once, then grow the pool, then raise.
+        would end early) find one slot however it takes: see _starved_slot.
         No state changes before an error, so the caller can drop batches and retry.
         """
         while self._put_debt > 0:
@@ -272,13 +260,43 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
             if slot is None:
                 if not force:
                     return
-                gc.collect()
-                slot = self._take_free_slot(wait_gate=True)
-                if slot is None:
-                    slot = self._add_slot()
+                slot = self._starved_slot()
                 force = False
             self._put_debt -= 1
             self._put_index(slot)
+
+    def _starved_slot(self) -> int:
+        """A slot when none is free and nothing is in flight.
+
+        Slots cooling behind CUDA copies count as in flight: they come back without
+        the consumer doing anything, so the pool grows instead of waiting while it
+        may (a GPU-bound steady state then needs no wait at all), and waits
+        (bounded) for the oldest only at max_slots. Only when nothing is cooling,
+        so the consumer holds every slot, is garbage collected once (batches held
+        by reference cycles), then the pool grows, then PoolExhausted.
+        """
+        gate, pool = self._gate, self._pool
+        if gate is not None and gate.pending:
+            if pool.num_slots < pool.max_slots:
+                try:
+                    slot = pool.add_slot()
+                except ShmSpaceError:
+                    pass  # no room for more: wait for a cooling slot instead
+                else:
+                    self._stats.pool_growths += 1
+                    self._stats.cooling_growths += 1
+                    return slot
+            self._free.extend(gate.wait_any(cuda.COOL_TIMEOUT_S))
+            slot = self._take_free_slot()
+            if slot is None:
+                raise RuntimeError(
+                    f"PoolLoader: all {pool.num_slots} slots wait for CUDA copies that have not "
+                    f"finished after {cuda.COOL_TIMEOUT_S:.0f} s; a stream seems stuck. Raise "
+                    "max_slots= if your training step is longer than that.")
+            return slot
+        gc.collect()
+        slot = self._take_free_slot()
+        return slot if slot is not None else self._add_slot()
 
     def _add_slot(self) -> int:
         pool = self._pool
@@ -315,15 +333,15 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
 
     def _free_slot(self, slot: int) -> None:
         if self._gate is not None:
-            self._gate.cool(slot)
+            self._gate.release(slot)  # FREE once every copy that may read it is done
         else:
             self._free.append(slot)
 
-    def _take_free_slot(self, wait_gate: bool = False) -> int | None:
+    def _take_free_slot(self) -> int | None:
         if self._released:
             self._drain_released()
-        if self._gate is not None:
-            self._free.extend(self._gate.ready(wait=wait_gate and not self._free))
+        if self._gate is not None and self._gate.pending:
+            self._free.extend(self._gate.ready())
         if not self._free:
             return None
         slot = self._free.pop()
@@ -411,25 +429,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
     def _next_data(self):
         if self._stager is None:
             return self._next_host()
-        # device=: keep one batch copying on the side stream while the consumer
-        # works on the previous one.
-        if self._staged is None:
-            if self._deferred_error is not None:
-                error, self._deferred_error = self._deferred_error, None
-                raise error
-            if self._host_done:
-                raise StopIteration
-            self._staged = self._stager.stage(self._next_host())
-        ticket = self._staged  # stays in self._staged, so a shutdown meanwhile waits for its copy
-        following = None
-        try:
-            following = self._stager.stage(self._next_host())
-        except StopIteration:
-            self._host_done = True
-        except Exception as error:  # delivered after the batch already copied
-            self._deferred_error = error
-        self._staged = following
-        return self._stager.deliver(ticket)
+        return self._stager.next(self._next_host)  # pinning, or device= one batch ahead
 
     def _next_host(self):
         if self._shutdown:
@@ -540,10 +540,12 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
             self._request_rings = self._done_rings = ()
             self._doorbell = None
             self._headers.clear()
-            if self._staged is not None and self._stager is not None:
-                self._stager.wait(self._staged)
+            if self._stager is not None:
+                self._stager.close()
             if self._gate is not None:
-                self._gate.close()  # copies still reading cooling or leased slots finish first
+                # bounded wait for every copy that may still read a cooling, leased or
+                # staged slot, on every stream and device; then the pool unregisters
+                self._gate.close()
             if self._pool is not None:
                 self._stats._detach(self._pool)
                 self._pool.close()
@@ -552,6 +554,8 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
 
     def __del__(self) -> None:
         try:
+            if getattr(self, "_gate", None) is not None:
+                self._gate.defer()  # a finaliser makes no CUDA call: the next gate finishes
             self._shutdown_workers()
         except Exception:
             pass
