@@ -413,12 +413,16 @@ _PLAIN = (int, float, complex, bool, str, bytes, type(None))
 _deferred: list[SlotGate] = []  # gates whose teardown waits for a safe point
 
 
-def finish_deferred() -> None:
-    """Finish the teardowns that finalisers, atexit or a timed-out close left (bounded).
+def finish_deferred(block: bool = True) -> None:
+    """Finish the teardowns that finalisers, atexit or a timed-out close left.
 
-    Called when a gate is made, i.e. from `iter(loader)`: a normal call path."""
+    With `block` (when a gate is made, i.e. from `iter(loader)`) it waits, bounded, for
+    a fresh marker and unregisters. Without (any live gate's release(), so an abandoned
+    pool does not hold its memory until the next `iter()`) it only looks: a pool whose
+    batches the user no longer holds is finished once a marker taken after its last
+    view died has completed."""
     for gate in list(_deferred):
-        if gate._owner_pid == os.getpid() and gate._finish():
+        if gate._owner_pid == os.getpid() and gate._finish(block):
             _deferred.remove(gate)
 
 
@@ -437,7 +441,8 @@ class SlotGate:
         self._host_views = False  # device=: a delivered batch kept host views of a slot
         self._deferring = False
         self._closed = False
-        self._parked: list = []  # events and mappings a deferred teardown still needs
+        self._parked: list = []  # events a deferred teardown still waits for
+        self._final: list | None = None  # finish_deferred(block=False): its marker
         self._quarantine: list[tuple[Any, Any, memoryview]] = []  # (mapping, slot, view)
         self.errors: list[str] = []
         finish_deferred()
@@ -550,6 +555,8 @@ class SlotGate:
     def release(self, key) -> None:
         if not self._mine() or self._closed:
             return
+        if _deferred:
+            finish_deferred(block=False)
         if key in self._cooling:
             raise RuntimeError(f"internal error: {key!r} released twice")
         self._cooling[key] = self._marker()
@@ -617,14 +624,29 @@ class SlotGate:
         that none is destroyed by a finaliser."""
         self._parked.extend(e for e in events if e is not None)
 
-    def _finish(self) -> bool:
-        """A deferred teardown: wait (bounded) for what was parked plus a fresh marker,
-        then unregister the quarantined mappings. True when done."""
+    def _finish(self, block: bool = True) -> bool:
+        """A deferred teardown: wait for what was parked plus a marker, then unregister
+        the quarantined mappings. True when done.
+
+        The marker must follow every copy the user may issue from these mappings: with
+        `block` it is taken now and waited for (bounded) with no user code in between;
+        without, only once no view but ours is left (nobody can issue a copy any more),
+        and it is polled, never waited for."""
         self._deferring = False
-        events = self._parked + self._marker()
-        if not self._rt.wait_events(events, CLOSE_TIMEOUT_S):
-            return False
+        if block:
+            if not self._rt.wait_events(self._parked + self._marker(), CLOSE_TIMEOUT_S):
+                return False
+        else:
+            if any(mapping.exports > 1 for mapping, _slot, _view in self._quarantine):
+                return False  # the user still holds batches of this pool
+            if self._final is None:
+                self._final = self._parked + self._marker()
+            done = self._rt.event_done
+            self._final = [e for e in self._final if not done(e)]
+            if self._final:
+                return False
         self._parked = []
+        self._final = None
         quarantine, self._quarantine = self._quarantine, []
         for mapping, slot, view in quarantine:
             view.release()

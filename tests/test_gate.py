@@ -244,6 +244,35 @@ def test_gate_teardown_from_a_finaliser_makes_no_cuda_call():
     assert sim.registered == {}
 
 
+def test_gate_abandoned_pool_is_finished_by_another_loaders_releases():
+    sim = SimCuda()
+    other = iter(loader_with(sim, Full(40), pin_memory=True, slots=4, prefetch_factor=1))
+    abandoned = iter(loader_with(sim, Full(40), pin_memory=True, slots=4, prefetch_factor=1))
+    addresses = {m.address for m in abandoned._pool.mappings}
+    held = next(abandoned)
+    del abandoned  # `for batch in loader: break`: the finaliser defers the CUDA part
+    gc.collect()
+    calls = len(sim.calls)
+    for _ in range(3):
+        next(other)  # releases of a live loader look at the abandoned pool, never wait
+    assert addresses <= set(sim.registered)  # the user still holds a batch of it
+    side = sim.stream(0)
+    sim.work(side)
+    out = sim.copy(held, side)
+    del held
+    next(other)
+    next(other)
+    assert addresses <= set(sim.registered)  # its last copy is still queued
+    sim.run(side)
+    next(other)
+    next(other)
+    assert not addresses & set(sim.registered)
+    assert "wait_events" not in [name for _pid, name in sim.calls[calls:]]
+    assert sim.violations == [] and first_values([out]) == expected(1)
+    other._shutdown_workers()
+    assert sim.registered == {}
+
+
 def test_gate_waits_are_bounded_when_a_stream_never_finishes(monkeypatch):
     sim = SimCuda()
     stats = LoaderStats()
