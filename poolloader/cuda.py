@@ -780,11 +780,12 @@ def setup(loader, pin_memory: bool, pin_memory_device=None):
     if runtime is not None:  # DataLoader saw no accelerator: decide as it would with one
         pin_memory = loader.pin_memory
         pin_memory_device = loader.pin_memory_device or None
-    elif torch.cuda.is_available():
-        runtime = torch_runtime()
     device = getattr(loader, "device", None)
+    device = torch.device(device) if device is not None else None
+    wants_cuda = (device.type == "cuda") if device is not None else pin_memory
+    if runtime is None and wants_cuda and torch.cuda.is_available():
+        runtime = torch_runtime()  # initialises CUDA: only for loaders that use it
     if device is not None:
-        device = torch.device(device)
         if device.type == "cuda" and runtime is None:
             raise ValueError(f"device={str(device)!r} needs CUDA, which this machine does not "
                              "have; pass device=None (or 'cpu')")
