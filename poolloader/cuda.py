@@ -1,161 +1,809 @@
-"""CUDA: register slots as page-locked once, and gate slot reuse behind events.
+"""CUDA: slots registered page-locked once, and a gate that reuses a slot only after
+every copy that may read it has finished, on any stream or device.
 
-PyTorch does not track copies out of memory it did not allocate, so when the
-last view of a batch dies the slot may still be the source of an async
-host-to-device copy. The iterator (never a finaliser) calls `cool(slot)`,
-which records an event on the current stream; the slot becomes FREE only when
-that event has completed (`ready()`).
+Why a gate. torch tracks the copies out of memory its own host allocator made
+(`pin_memory()`: an event per copy, on the copy's stream), never out of memory it did
+not allocate. A slot registered with cudaHostRegister is such memory: after
+`batch.to("cuda", non_blocking=True)` the copy is only queued, on whatever stream was
+current (a prefetcher's side stream, DataParallel's per-device copy streams, another
+thread's stream), and the batch may die long before the copy runs.
+
+What the gate waits for. When a batch's last view dies its lease queues the slot (a
+deque append: no lock, no CUDA call). The iterator finds it on its next call and calls
+`release(key)`, which takes a *marker*: on every device that has a CUDA context, an
+event on every stream torch created there that still has work queued (the default
+stream, every stream of torch's stream pool — what `torch.cuda.Stream()` hands out —
+and the calling thread's current stream). Every copy of the batch was queued before
+the batch died, so before the marker on its stream, or it has already run: the key is
+ready when all the marker's events have completed. With `device=` the only reader is
+the stager's copy stream, so the marker is the stager's own copy event. Streams torch
+did not create (`torch.cuda.ExternalStream`, another library's) cannot be seen: a copy
+issued there must be ordered before the current stream (`current_stream().wait_stream(s)`)
+before the next `next()`. torch's default stream and pool streams are non-blocking,
+so an event on the current stream alone would not cover a side stream's copy.
+
+The CUDA surface all this uses is `CudaRuntime` below: `TorchCuda` implements it over
+torch.cuda and torch.cuda.cudart(); the tests drive the same gate with a deterministic
+CPU stand-in (tests/cuda_standin.py) passed as `loader._cuda_runtime`.
+
+Contract of SlotGate (main process, one thread: the one that iterates):
+  keys                        opaque hashables: a slot index, or a retired Mapping
+                              (a detached slot's old segment, which lives with the
+                              user's batch until its last view dies).
+  register(mapping, slot)     SlotPool's on_map: cudaHostRegister once per mapping
+                              (never per batch or epoch). Raises CudaRegistrationError
+                              naming the slot, size and CUDA error; the error is cleared.
+  unregister(mapping, slot)   SlotPool's on_unmap, before a mapping is unmapped; also
+                              main, for a retired mapping once ready() returned it.
+                              Never raises: a failure is cleared, warned (slot, size,
+                              error name) and kept in `errors`, and the caller goes on.
+                              Do NOT call it when a leased slot is detached: the old
+                              mapping stays registered until its release has cooled.
+  release(key)                the batch in `key` was released (iterator, on its next
+                              call; never from a weakref callback or finaliser).
+  ready() -> [keys]           non-blocking: keys whose marker completed, in release
+                              order. A slot key is FREE again; a mapping key is to be
+                              unregister()ed and dropped.
+  pending                     keys still cooling: count them as in flight (grow the
+                              pool rather than wait while it may grow).
+  wait_any(timeout) -> [keys] bounded wait for the oldest cooling key; counted in
+                              stats.cooling_waits / cooling_wait_s. [] on timeout.
+  close(timeout) -> [keys]    teardown, after the workers stopped and before the pool
+                              unmaps: waits (bounded) for every cooling key and for a
+                              fresh marker that covers copies of leased and staged
+                              batches; returns the keys that were cooling (unregister
+                              the mapping keys among them). If the wait times out, the
+                              mappings stay registered and mapped (warning) and are
+                              finished by the next gate of this process.
+  defer()                     before teardown from a finaliser (`__del__`) or atexit:
+                              close() and unregister() then make no CUDA call; the next
+                              gate created in this process finishes the job.
+  pin(batch)                  DataLoader's pin_memory for everything that is not a view
+                              of a registered mapping.
+A gate does nothing in a process other than the one that made it (forked children
+inherit the object, never use it).
 """
 from __future__ import annotations
 
+import bisect
 import collections
+import copy
+import ctypes
+import os
+import time
+import warnings
+from typing import Any, Protocol
 
 import torch
+from torch.utils.data._utils.pin_memory import pin_memory as _torch_pin_memory
 
+from poolloader.errors import CudaRegistrationError
 
 # cudaHostRegisterPortable: pinned for every CUDA context, as torch's own pinning.
 _HOST_REGISTER_PORTABLE = 1
+# How long the iterator waits for a cooling slot when the pool may not grow (seconds).
+COOL_TIMEOUT_S = 300.0
+# How long teardown waits for copies that may still read a slot (seconds).
+CLOSE_TIMEOUT_S = 10.0
+# Bound on probing one priority level of torch's stream pool (it holds 32 per level).
+_POOL_PROBE_MAX = 256
+
+# CUDA runtime error names, for when libcudart cannot be asked (cuda_runtime_api.h).
+_ERROR_NAMES = {
+    0: "cudaSuccess", 1: "cudaErrorInvalidValue", 2: "cudaErrorMemoryAllocation",
+    3: "cudaErrorInitializationError", 4: "cudaErrorCudartUnloading",
+    100: "cudaErrorNoDevice", 101: "cudaErrorInvalidDevice", 304: "cudaErrorOperatingSystem",
+    700: "cudaErrorIllegalAddress", 712: "cudaErrorHostMemoryAlreadyRegistered",
+    713: "cudaErrorHostMemoryNotRegistered", 801: "cudaErrorNotSupported",
+    999: "cudaErrorUnknown",
+}
 
 
-def _check(rc, what: str) -> None:
-    code = int(rc)
-    if code != 0:
-        raise RuntimeError(f"{what} failed with cudaError {code}")
+class CudaRuntime(Protocol):
+    """The CUDA surface poolloader uses; nothing else here touches torch.cuda.
+
+    Streams and events are opaque to the callers. All calls come from the main
+    process's iterating thread.
+    """
+
+    def devices_with_context(self) -> list[int]:
+        """Devices on which this process has a CUDA context (none: no work can be queued)."""
+
+    def streams(self, device: int) -> list[Any]:
+        """Every stream of `device` a copy could be queued on that torch knows: its
+        default stream, its stream pool, the calling thread's current stream."""
+
+    def current_stream(self, device: int) -> Any: ...
+
+    def new_stream(self, device) -> Any: ...
+
+    def stream_context(self, stream) -> Any:
+        """A context manager making `stream` current."""
+
+    def stream_idle(self, stream) -> bool:
+        """True when everything queued on `stream` has completed."""
+
+    def stream_wait(self, stream, event) -> None:
+        """Make work queued later on `stream` wait for `event` (no host wait)."""
+
+    def record_event(self, stream) -> Any:
+        """A new event recorded on `stream` now."""
+
+    def event_done(self, event) -> bool: ...
+
+    def wait_events(self, events, timeout: float) -> bool:
+        """Block until every event completed or `timeout` s passed; True if all did."""
+
+    def copy_to(self, tensor: torch.Tensor, device) -> torch.Tensor:
+        """A non-blocking copy of `tensor` to `device`, on the current stream."""
+
+    def record_stream(self, tensor: torch.Tensor, stream) -> None:
+        """Tell the caching allocator that `stream` uses the device `tensor`."""
+
+    def pin_tensor(self, tensor: torch.Tensor, device) -> torch.Tensor:
+        """DataLoader's pinning of one tensor that is not slot memory."""
+
+    def host_register(self, address: int, size: int) -> int:
+        """cudaHostRegister (portable); the CUDA error code, 0 on success."""
+
+    def host_unregister(self, address: int) -> int:
+        """cudaHostUnregister; the CUDA error code."""
+
+    def clear_error(self) -> int | None:
+        """cudaGetLastError: read and reset the thread's last error (None if unreadable)."""
+
+    def error_name(self, code: int) -> str: ...
+
+
+# ---------------------------------------------------------------------------
+# the real runtime
+
+def _loaded_cudart():
+    """The libcudart torch already loaded, through ctypes (same instance, so the same
+    last-error state); None when torch linked the runtime statically."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libcudart" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        if os.path.basename(path).startswith("libcudart"):
+            try:
+                lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+            except OSError:
+                continue
+            lib.cudaGetLastError.restype = ctypes.c_int
+            lib.cudaGetErrorName.restype = ctypes.c_char_p
+            lib.cudaGetErrorName.argtypes = [ctypes.c_int]
+            return lib
+    return None
+
+
+def _torch_pool_streams(device: int) -> list:
+    """The default stream and every stream of torch's pool on `device`.
+
+    torch.cuda.Stream() hands out pool streams round-robin, per priority level, so
+    asking until one repeats lists a level whole whatever its size; the counter ends
+    one step further, which only shifts which pool stream the next caller gets.
+    """
+    found = {}
+    default = torch.cuda.default_stream(device)
+    found[default.cuda_stream] = default
+    least, greatest = default.priority_range()
+    for priority in range(least, greatest - 1, -1):
+        for _ in range(_POOL_PROBE_MAX):
+            stream = torch.cuda.Stream(device=device, priority=priority)
+            if stream.cuda_stream in found:
+                break
+            found[stream.cuda_stream] = stream
+    return list(found.values())
+
+
+class TorchCuda:
+    """CudaRuntime over torch.cuda and torch.cuda.cudart(); one per process (`torch_runtime()`).
+
+    A marker costs one cudaStreamQuery per known stream per device with a context
+    (the default stream and torch's pool: 1 + 32 per priority level) and one event
+    per busy stream.
+    """
+
+    def __init__(self) -> None:
+        self._cudart = torch.cuda.cudart()
+        self._known: dict[int, tuple[list, set]] = {}
+        self._lib = _loaded_cudart()
+        self._has_context = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+
+    def devices_with_context(self) -> list[int]:
+        if not torch.cuda.is_initialized():
+            return []
+        n = torch.cuda.device_count()
+        if self._has_context is None:
+            return list(range(n))
+        return [d for d in range(n) if self._has_context(d)]
+
+    def streams(self, device: int) -> list:
+        known = self._known.get(device)
+        if known is None:
+            pool = _torch_pool_streams(device)
+            known = self._known[device] = (pool, {s.cuda_stream for s in pool})
+        current = torch.cuda.current_stream(device)
+        if current.cuda_stream in known[1]:
+            return known[0]
+        return known[0] + [current]  # an ExternalStream made current
+
+    def current_stream(self, device: int):
+        return torch.cuda.current_stream(device)
+
+    def new_stream(self, device):
+        return torch.cuda.Stream(device=device)
+
+    def stream_context(self, stream):
+        return torch.cuda.stream(stream)
+
+    def stream_idle(self, stream) -> bool:
+        return stream.query()
+
+    def stream_wait(self, stream, event) -> None:
+        stream.wait_event(event)
+
+    def record_event(self, stream):
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def event_done(self, event) -> bool:
+        return event.query()
+
+    def wait_events(self, events, timeout: float) -> bool:
+        # cudaEventSynchronize cannot time out: poll, backing off to 2 ms.
+        deadline = time.monotonic() + timeout
+        pending = [e for e in events if not e.query()]
+        pause = 20e-6
+        while pending:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, 2e-3)
+            pending = [e for e in pending if not e.query()]
+        return True
+
+    def copy_to(self, tensor, device):
+        return tensor.to(device, non_blocking=True)
+
+    def record_stream(self, tensor, stream) -> None:
+        if tensor.is_cuda:
+            tensor.record_stream(stream)
+
+    def pin_tensor(self, tensor, device):
+        return _torch_pin_memory(tensor, device)
+
+    def host_register(self, address: int, size: int) -> int:
+        return int(self._cudart.cudaHostRegister(address, size, _HOST_REGISTER_PORTABLE))
+
+    def host_unregister(self, address: int) -> int:
+        return int(self._cudart.cudaHostUnregister(address))
+
+    def clear_error(self) -> int | None:
+        if self._lib is not None:
+            return int(self._lib.cudaGetLastError())
+        # torch linked cudart statically: a kernel launch's own check reads (and so
+        # clears) the last error; it raises it, which is what we expect here.
+        try:
+            torch.cuda._sleep(0)
+        except RuntimeError:
+            pass
+        return None
+
+    def error_name(self, code: int) -> str:
+        if self._lib is not None:
+            name = self._lib.cudaGetErrorName(code)
+            if name:
+                return name.decode()
+        return _ERROR_NAMES.get(code, f"cudaError {code}")
+
+
+_torch_cuda: TorchCuda | None = None
+
+
+def torch_runtime() -> TorchCuda:
+    global _torch_cuda
+    if _torch_cuda is None:
+        _torch_cuda = TorchCuda()
+    return _torch_cuda
+
+
+# ---------------------------------------------------------------------------
+# walking a batch: torch's pin_memory container rules
+
+_DESCEND = object()
+
+
+def map_batch(data, leaf, other=None):
+    """Rebuild `data` as torch's DataLoader pin_memory does
+    (torch/utils/data/_utils/pin_memory.py), with `leaf(obj)` deciding first.
+
+    `leaf` returns the replacement of `obj`, or _DESCEND to let containers be rebuilt
+    (mutable mappings and sequences are shallow-copied and updated, so a defaultdict
+    keeps its default_factory); anything else is returned as is, after `other(obj)`.
+    """
+    got = leaf(data)
+    if got is not _DESCEND:
+        return got
+    if isinstance(data, (str, bytes)):
+        return data
+    if isinstance(data, collections.abc.Mapping):
+        try:
+            if isinstance(data, collections.abc.MutableMapping):
+                clone = copy.copy(data)
+                clone.update({k: map_batch(v, leaf, other) for k, v in data.items()})
+                return clone
+            return type(data)({k: map_batch(v, leaf, other) for k, v in data.items()})
+        except TypeError:
+            return {k: map_batch(v, leaf, other) for k, v in data.items()}
+    if isinstance(data, tuple):
+        if hasattr(data, "_fields"):  # namedtuple
+            return type(data)(*(map_batch(v, leaf, other) for v in data))
+        return type(data)(map_batch(v, leaf, other) for v in data)
+    if isinstance(data, collections.abc.Sequence):
+        try:
+            if isinstance(data, collections.abc.MutableSequence):
+                clone = copy.copy(data)
+                for i, item in enumerate(data):
+                    clone[i] = map_batch(item, leaf, other)
+                return clone
+            return type(data)([map_batch(v, leaf, other) for v in data])
+        except TypeError:
+            return [map_batch(v, leaf, other) for v in data]
+    if other is not None:
+        other(data)
+    return data
+
+
+def _movable(obj) -> bool:
+    """A batch type that moves itself (PackedTargets): `.to(device, non_blocking=)` and `pin_memory()`."""
+    return callable(getattr(obj, "to", None)) and hasattr(obj, "pin_memory")
+
+
+def to_device(obj, device, non_blocking: bool = True, copy_to=None):
+    """Move every tensor of a batch to `device`, keeping its structure (torch's
+    pin_memory container rules: defaultdict, namedtuple, custom mappings).
+
+    Objects with `.to(device, non_blocking=...)` and `pin_memory()` of their own
+    (PackedTargets) move as a whole; everything else is returned as is.
+    """
+    if copy_to is None:
+        def copy_to(t, dev):
+            return t.to(dev, non_blocking=non_blocking)
+
+    def leaf(x):
+        if isinstance(x, torch.Tensor):
+            return copy_to(x, device)
+        if _movable(x):
+            return x.to(device, non_blocking=non_blocking)
+        return _DESCEND
+
+    return map_batch(obj, leaf)
+
+
+def record_on(obj, stream, record) -> None:
+    """`record(tensor, stream)` for every tensor of a device batch (PackedTargets'
+    fields and counts included), so the caching allocator does not hand their memory
+    out while `stream` may still use it."""
+    if isinstance(obj, torch.Tensor):
+        record(obj, stream)
+    elif isinstance(obj, collections.abc.Mapping):
+        for v in obj.values():
+            record_on(v, stream, record)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            record_on(v, stream, record)
+    elif isinstance(getattr(obj, "fields", None), dict):
+        record_on(obj.fields, stream, record)
+        counts = getattr(obj, "counts", None)
+        if isinstance(counts, torch.Tensor):
+            record(counts, stream)
+
+
+_PLAIN = (int, float, complex, bool, str, bytes, type(None))
+
+
+# ---------------------------------------------------------------------------
+# the gate
+
+_deferred: list[SlotGate] = []  # gates whose teardown waits for a safe point
+
+
+def finish_deferred(block: bool = True) -> None:
+    """Finish the teardowns that finalisers, atexit or a timed-out close left.
+
+    With `block` (when a gate is made, i.e. from `iter(loader)`) it waits, bounded, for
+    a fresh marker and unregisters. Without (any live gate's release(), so an abandoned
+    pool does not hold its memory until the next `iter()`) it only looks: a pool whose
+    batches the user no longer holds is finished once a marker taken after its last
+    view died has completed."""
+    for gate in list(_deferred):
+        if gate._owner_pid == os.getpid() and gate._finish(block):
+            _deferred.remove(gate)
 
 
 class SlotGate:
-    """`device`: where the batches' copies run (None: the current device); events
-    are recorded on that device's current stream."""
+    """See the module docstring for the contract. `stats`: a LoaderStats (cooling counters)."""
 
-    def __init__(self, device=None) -> None:
-        if device is not None and torch.device(device).type != "cuda":
-            device = None
-        self.device = torch.device(device) if device is not None else \
-            torch.device("cuda", torch.cuda.current_device())
-        self._cudart = torch.cuda.cudart()
-        self._cooling: collections.deque = collections.deque()  # (slot, event)
-        self._registered: dict[int, int] = {}  # mapping address -> size
+    def __init__(self, runtime: CudaRuntime, stats=None) -> None:
+        self._rt = runtime
+        self._stats = stats
+        self._owner_pid = os.getpid()
+        self._cooling: dict[Any, list] = {}  # key -> events not yet seen complete; release order
+        self._registered: dict[int, tuple[Any, Any]] = {}  # address -> (mapping, slot)
+        self._starts: list[int] = []  # registered ranges, sorted, for is_slot_view
+        self._ends: list[int] = []
+        self._copy_event = None  # device=: the stager's latest copy event, called
+        self._host_views = False  # device=: a delivered batch kept host views of a slot
+        self._deferring = False
+        self._closed = False
+        self._parked: list = []  # events a deferred teardown still waits for
+        self._final: list | None = None  # finish_deferred(block=False): its marker
+        self._quarantine: list[tuple[Any, Any, memoryview]] = []  # (mapping, slot, view)
+        self.errors: list[str] = []
+        finish_deferred()
 
-    def register(self, mapping) -> None:
-        """cudaHostRegister the whole mapping once, at creation (not per batch)."""
-        _check(self._cudart.cudaHostRegister(mapping.address, mapping.size, _HOST_REGISTER_PORTABLE),
-               f"cudaHostRegister of {mapping.size} bytes")
-        self._registered[mapping.address] = mapping.size
+    def _mine(self) -> bool:
+        return os.getpid() == self._owner_pid
 
-    def unregister(self, mapping) -> None:
-        """Before a mapping is replaced or dropped; views still alive become pageable."""
-        if self._registered.pop(mapping.address, None) is not None:
-            _check(self._cudart.cudaHostUnregister(mapping.address), "cudaHostUnregister")
+    # -- registration ---------------------------------------------------------
+    def register(self, mapping, slot=None) -> None:
+        if not self._mine():
+            raise RuntimeError("internal error: a slot was registered in a forked child")
+        code = self._rt.host_register(mapping.address, mapping.size)
+        if code:
+            self._rt.clear_error()
+            raise CudaRegistrationError(
+                f"cudaHostRegister of slot {slot} ({mapping.size} bytes at {mapping.address:#x}) "
+                f"failed with {self._rt.error_name(code)} ({code}). Lower slot_bytes, "
+                "num_workers or prefetch_factor, or pass pin_memory=False (copies are then "
+                "synchronous, as from any pageable tensor).")
+        self._registered[mapping.address] = (mapping, slot)
+        self._index()
 
-    def cool(self, key) -> None:
-        """`key` (a slot, or a mapping detached from the pool) is free once the
-        event recorded now has completed."""
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        self._cooling.append((key, event))
+    def unregister(self, mapping, slot=None) -> bool:
+        """True if it was registered and cudaHostUnregister succeeded."""
+        entry = self._registered.get(mapping.address)
+        if entry is None or entry[0] is not mapping or not self._mine():
+            return False
+        if slot is None:
+            slot = entry[1]
+        if self._deferring or self._closed and self._parked:
+            # copies may still read it: keep it registered and mapped (an export makes
+            # the pool's retire() leave it mapped) until the teardown can finish
+            self._quarantine.append((mapping, slot, memoryview(mapping)))
+            return False
+        del self._registered[mapping.address]
+        self._index()
+        return self._unregister_now(mapping, slot)
+
+    def _unregister_now(self, mapping, slot) -> bool:
+        code = self._rt.host_unregister(mapping.address)
+        if not code:
+            return True
+        self._rt.clear_error()
+        message = (f"PoolLoader: cudaHostUnregister of slot {slot} ({mapping.size} bytes at "
+                   f"{mapping.address:#x}) failed with {self._rt.error_name(code)} ({code}); "
+                   "the error was cleared and teardown went on")
+        self.errors.append(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        return False
+
+    def _index(self) -> None:
+        spans = sorted((a, a + m.size) for a, (m, _slot) in self._registered.items())
+        self._starts = [a for a, _ in spans]
+        self._ends = [b for _, b in spans]
+
+    def is_slot_view(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor`'s whole storage lies in a registered mapping (then it is
+        page-locked already: `is_pinned()` and async copies, nothing to pin)."""
+        if tensor.layout != torch.strided or tensor.device.type != "cpu" or not self._starts:
+            return False
+        storage = tensor.untyped_storage()
+        start = storage.data_ptr()
+        i = bisect.bisect_right(self._starts, start) - 1
+        return i >= 0 and start + storage.nbytes() <= self._ends[i]
+
+    # -- pinning ----------------------------------------------------------------
+    def pin(self, batch, device=None):
+        """DataLoader's pin_memory for a host batch: views of registered slots stay as
+        they are; other tensors (pickled fallbacks: sparse, subclasses, requires_grad)
+        are pinned by torch, and a custom type's pin_memory() is called, as
+        DataLoader's pin-memory thread does."""
+        rt = self._rt
+
+        def leaf(x):
+            if isinstance(x, torch.Tensor):
+                if self.is_slot_view(x) or (x.device.type == "cpu" and x.is_pinned()):
+                    return x  # a slot view, or the batch's small buffer allocated pinned
+                return rt.pin_tensor(x, device)
+            if hasattr(x, "pin_memory"):
+                return x.pin_memory()
+            return _DESCEND
+
+        return map_batch(batch, leaf)
+
+    # -- cooling -------------------------------------------------------------------
+    def use_copy_events(self, latest) -> None:
+        """device=: the stager's copies are the only readers; `latest()` is its last copy event."""
+        self._copy_event = latest
+
+    def note_host_views(self) -> None:
+        """device=: a delivered batch kept something that may view a slot (an array, an
+        unknown object): from now on releases take the full marker too."""
+        self._host_views = True
+
+    def _marker(self) -> list:
+        """Events that complete only after every copy queued so far that may read a
+        released batch (see the module docstring)."""
+        if self._copy_event is not None:
+            event = self._copy_event()
+            events = [] if event is None else [event]
+            if not self._host_views:
+                return events
+        else:
+            events = []
+        rt = self._rt
+        for device in rt.devices_with_context():
+            for stream in rt.streams(device):
+                if not rt.stream_idle(stream):
+                    events.append(rt.record_event(stream))
+        return events
+
+    def release(self, key) -> None:
+        if not self._mine() or self._closed:
+            return
+        if _deferred:
+            finish_deferred(block=False)
+        if key in self._cooling:
+            raise RuntimeError(f"internal error: {key!r} released twice")
+        self._cooling[key] = self._marker()
 
     @property
     def pending(self) -> int:
         return len(self._cooling)
 
-    def keys(self) -> list:
-        return [key for key, _event in self._cooling]
+    def cooling_keys(self) -> list:
+        return list(self._cooling)
 
-    def ready(self, wait: bool) -> list:
-        """Slots whose event completed, oldest first; with `wait`, block on the
-        oldest if none has."""
+    def ready(self) -> list:
+        if not self._cooling or not self._mine():
+            return []
+        done = self._rt.event_done
         out = []
-        while self._cooling and self._cooling[0][1].query():
-            out.append(self._cooling.popleft()[0])
-        if not out and wait and self._cooling:
-            slot, event = self._cooling.popleft()
-            event.synchronize()
-            out.append(slot)
+        for key, events in self._cooling.items():
+            if events:
+                events[:] = [e for e in events if not done(e)]
+            if not events:
+                out.append(key)
+        for key in out:
+            del self._cooling[key]
         return out
 
-    def close(self) -> None:
-        """Before the pool unregisters and unmaps: wait for every copy that may
-        still read a slot (cooling ones, and the consumer's copies of leased ones)."""
-        for slot, event in self._cooling:
-            event.synchronize()
+    def wait_any(self, timeout: float) -> list:
+        got = self.ready()
+        if got or not self._cooling:
+            return got
+        t0 = time.perf_counter()
+        oldest = next(iter(self._cooling.values()))
+        self._rt.wait_events(list(oldest), timeout)
+        got = self.ready()
+        if self._stats is not None:
+            self._stats.cooling_waits += 1
+            self._stats.cooling_wait_s += time.perf_counter() - t0
+        return got
+
+    # -- teardown ---------------------------------------------------------------------
+    def defer(self) -> None:
+        self._deferring = True
+
+    def close(self, timeout: float | None = None) -> list:
+        if not self._mine() or self._closed:
+            return []
+        self._closed = True
+        keys = list(self._cooling)
+        self._parked += [e for events in self._cooling.values() for e in events]
         self._cooling.clear()
-        torch.cuda.current_stream(self.device).synchronize()
+        self._copy_event = None
+        if self._deferring:
+            _deferred.append(self)
+            return keys
+        self._parked += self._marker()
+        timeout = CLOSE_TIMEOUT_S if timeout is None else timeout
+        if self._rt.wait_events(self._parked, timeout):
+            self._parked = []
+        else:
+            warnings.warn(
+                f"PoolLoader: CUDA copies from the pool did not finish within {timeout:.0f} s "
+                "of teardown; its slots stay registered and mapped until a later loader "
+                "starts (or the process exits).", RuntimeWarning, stacklevel=3)
+            _deferred.append(self)
+        return keys
+
+    def keep(self, events) -> None:
+        """Events a stager still holds at teardown: kept until teardown finishes, so
+        that none is destroyed by a finaliser."""
+        self._parked.extend(e for e in events if e is not None)
+
+    def _finish(self, block: bool = True) -> bool:
+        """A deferred teardown: wait for what was parked plus a marker, then unregister
+        the quarantined mappings. True when done.
+
+        The marker must follow every copy the user may issue from these mappings: with
+        `block` it is taken now and waited for (bounded) with no user code in between;
+        without, only once no view but ours is left (nobody can issue a copy any more),
+        and it is polled, never waited for."""
+        self._deferring = False
+        if block:
+            if not self._rt.wait_events(self._parked + self._marker(), CLOSE_TIMEOUT_S):
+                return False
+        else:
+            if any(mapping.exports > 1 or mapping.leases
+                   for mapping, _slot, _view in self._quarantine):
+                return False  # the user still holds batches of this pool
+            if self._final is None:
+                self._final = self._parked + self._marker()
+            done = self._rt.event_done
+            self._final = [e for e in self._final if not done(e)]
+            if self._final:
+                return False
+        self._parked = []
+        self._final = None
+        quarantine, self._quarantine = self._quarantine, []
+        for mapping, slot, view in quarantine:
+            view.release()
+            self._registered.pop(mapping.address, None)
+            self._unregister_now(mapping, slot)
+        self._index()
+        return True
 
 
-def to_device(obj, device, non_blocking: bool = True):
-    """Move every tensor of a batch to `device`, keeping its structure.
+# ---------------------------------------------------------------------------
+# delivery: what the iterator's _next_data calls
 
-    Tensors move one by one; objects with a `.to(device, non_blocking=...)`
-    method of their own (PackedTargets) move as a whole, one tensor per field.
-    Mappings, namedtuples, lists and tuples are rebuilt; everything else is
-    returned as is.
-    """
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=non_blocking)
-    if isinstance(obj, dict):
-        return type(obj)((k, to_device(v, device, non_blocking)) for k, v in obj.items()) \
-            if type(obj) is not dict else {k: to_device(v, device, non_blocking) for k, v in obj.items()}
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(to_device(v, device, non_blocking) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(to_device(v, device, non_blocking) for v in obj)
-    move = getattr(obj, "to", None)
-    if callable(move) and hasattr(obj, "pin_memory"):
-        return move(device, non_blocking=non_blocking)
-    return obj
+class HostStager:
+    """`pin_memory=True` without `device=`: DataLoader's pinning, applied to each batch."""
 
+    def __init__(self, pin) -> None:
+        self._pin = pin
 
-def record_on(obj, stream) -> None:
-    """record_stream every device tensor of a batch on `stream`, so the caching
-    allocator does not hand their memory out while `stream` may still use it."""
-    if isinstance(obj, torch.Tensor):
-        if obj.device.type == "cuda":
-            obj.record_stream(stream)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            record_on(v, stream)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            record_on(v, stream)
-    elif hasattr(obj, "fields") and isinstance(getattr(obj, "fields"), dict):
-        record_on(obj.fields, stream)
-        counts = getattr(obj, "counts", None)
-        if isinstance(counts, torch.Tensor):
-            record_on(counts, stream)
+    def next(self, get_host_batch):
+        return self._pin(get_host_batch())
+
+    def reset(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 class DeviceStager:
-    """Copies each batch to the device on a side stream, one batch ahead.
+    """`device=`: copies each batch to the device on a side stream, one batch ahead.
 
-    `stage(host_batch)` enqueues the copies and returns a ticket; `deliver(ticket)`
-    makes the consumer's current stream wait for the copy, marks the device
-    tensors as used by that stream, and returns the device batch. The ticket keeps
-    the host batch (its slot lease) alive until then, and the slot's later reuse
-    is gated by an event on the current stream, which now follows the copy.
+    `next(get_host_batch)` returns the batch staged at the previous call (after making
+    the consumer's current stream wait for its copy and marking its tensors as used
+    by that stream) and stages the following one, so its copy overlaps the
+    consumer's work. An error met while staging the following batch is raised at the
+    call after, once the batch before it was delivered. The gate gates a slot's reuse
+    on the latest copy event (copies run in order on the one side stream).
+
+    Without CUDA (e.g. device="cpu") the copies are synchronous and nothing is gated.
     """
 
-    def __init__(self, device) -> None:
+    def __init__(self, runtime: CudaRuntime | None, device, gate: SlotGate | None) -> None:
         self.device = torch.device(device)
-        self.stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
+        self._rt = runtime if self.device.type == "cuda" else None
+        self._gate = gate
+        self.stream = self._rt.new_stream(self.device) if self._rt is not None else None
+        self._last_copy = None
+        if gate is not None and self._rt is not None:
+            gate.use_copy_events(lambda: self._last_copy)
+        self._staged = None  # (device batch, copy event, host batch)
+        self._host_done = False
+        self._deferred_error: BaseException | None = None
 
-    def stage(self, host_batch):
-        if self.stream is None:
+    def next(self, get_host_batch):
+        if self._staged is None:
+            if self._deferred_error is not None:
+                error, self._deferred_error = self._deferred_error, None
+                raise error
+            if self._host_done:
+                raise StopIteration
+            self._staged = self._stage(get_host_batch())
+        ticket = self._staged  # stays staged until delivered: a teardown meanwhile covers its copy
+        following = None
+        try:
+            following = self._stage(get_host_batch())
+        except StopIteration:
+            self._host_done = True
+        except Exception as error:  # delivered after the batch already copied
+            self._deferred_error = error
+        self._staged = following
+        return self._deliver(ticket)
+
+    def _stage(self, host_batch):
+        rt = self._rt
+        if rt is None:
             return (to_device(host_batch, self.device, non_blocking=False), None, None)
-        with torch.cuda.stream(self.stream):
-            dev = to_device(host_batch, self.device, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        return (dev, event, host_batch)
+        escaped = False
 
-    def wait(self, ticket) -> None:
-        """Block until a staged ticket's copy is done (before its slot may be reused)."""
-        if ticket[1] is not None:
-            ticket[1].synchronize()
+        def other(x):
+            nonlocal escaped
+            if not isinstance(x, _PLAIN):
+                escaped = True  # e.g. a numpy view of the slot, which the user may copy too
 
-    def deliver(self, ticket):
+        def leaf(x):
+            if isinstance(x, torch.Tensor):
+                return rt.copy_to(x, self.device)
+            if _movable(x):
+                return x.to(self.device, non_blocking=True)
+            return _DESCEND
+
+        with rt.stream_context(self.stream):
+            try:
+                dev = map_batch(host_batch, leaf, other)
+            finally:  # copies issued before an error are covered too
+                self._last_copy = rt.record_event(self.stream)
+        if escaped and self._gate is not None:
+            self._gate.note_host_views()
+        return (dev, self._last_copy, host_batch)
+
+    def _deliver(self, ticket):
         dev, event, _host = ticket
         if event is not None:
-            current = torch.cuda.current_stream(self.device)
-            current.wait_event(event)
-            record_on(dev, current)
+            current = self._rt.current_stream(self.device)
+            self._rt.stream_wait(current, event)
+            record_on(dev, current, self._rt.record_stream)
         return dev
+
+    def reset(self) -> None:
+        """A new epoch: drop what was staged (its slot's reuse waits for its copy event)."""
+        self._staged = None
+        self._host_done = False
+        self._deferred_error = None
+
+    def close(self) -> None:
+        """Teardown: the gate's close() covers the staged copy; hand it our events so
+        none dies in a finaliser."""
+        if self._gate is not None:
+            self._gate.keep([self._last_copy, self._staged[1] if self._staged else None])
+        self._staged = None
+        self._last_copy = None
+
+
+def setup(loader, pin_memory: bool, pin_memory_device=None):
+    """(gate, stager) for one iterator of `loader`, either may be None.
+
+    `pin_memory` and `pin_memory_device` are what DataLoader's base iterator decided
+    (pin_memory is off where there is no accelerator). `loader._cuda_runtime`, when
+    set, replaces torch.cuda (the tests' CPU stand-in); pin_memory is then the loader's.
+    """
+    runtime = getattr(loader, "_cuda_runtime", None)
+    if runtime is not None:  # DataLoader saw no accelerator: decide as it would with one
+        pin_memory = loader.pin_memory
+        pin_memory_device = loader.pin_memory_device or None
+    device = getattr(loader, "device", None)
+    device = torch.device(device) if device is not None else None
+    wants_cuda = (device.type == "cuda") if device is not None else pin_memory
+    if runtime is None and wants_cuda and torch.cuda.is_available():
+        runtime = torch_runtime()  # initialises CUDA: only for loaders that use it
+    if device is not None:
+        if device.type == "cuda" and runtime is None:
+            raise ValueError(f"device={str(device)!r} needs CUDA, which this machine does not "
+                             "have; pass device=None (or 'cpu')")
+        if runtime is None or device.type != "cuda":
+            return None, DeviceStager(None, device, None)
+        gate = SlotGate(runtime, loader.stats)
+        return gate, DeviceStager(runtime, device, gate)
+    if not pin_memory:
+        return None, None
+    pin_type = torch.device(pin_memory_device).type if pin_memory_device else "cuda"
+    if runtime is None or pin_type != "cuda":
+        # another accelerator: slots cannot be registered; pin as DataLoader does (a copy)
+        return None, HostStager(lambda batch: _torch_pin_memory(batch, pin_memory_device))
+    gate = SlotGate(runtime, loader.stats)
+    return gate, HostStager(lambda batch: gate.pin(batch, pin_memory_device))

@@ -26,3 +26,7 @@ class SlotCorrupt(RuntimeError):
 
 class WorkerDied(RuntimeError):
     """A worker process exited while the loader still needed it."""
+
+
+class CudaRegistrationError(RuntimeError):
+    """cudaHostRegister refused a slot; the CUDA error was cleared."""

@@ -22,6 +22,7 @@ import torch
 from torch._utils import ExceptionWrapper
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _MultiProcessingDataLoaderIter
 
+from poolloader import cuda
 from poolloader import slot_format as fmt
 from poolloader import supervise
 from poolloader.errors import SlotCorrupt, WorkerDied
@@ -51,35 +52,26 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         self._prefetch_factor = loader.prefetch_factor
         self._in_order = loader.in_order
         self._stats: LoaderStats = loader.stats
-        self._gate = None
-        self._stager = None
-        self._staged = None
-        self._host_done = False
-        self._deferred_error = None
-        device = getattr(loader, "device", None)
-        if device is not None and torch.device(device).type == "cuda":
-            if not torch.cuda.is_available():
-                raise ValueError(f"device={device!r} needs CUDA, which this machine does not have; "
-                                 "pass device=None (or 'cpu')")
-            self._pin_memory = True  # copies go straight from the registered slots
-        if self._pin_memory and torch.cuda.is_available():
-            from poolloader.cuda import SlotGate
-            self._gate = SlotGate(device)
-        if device is not None:
-            from poolloader.cuda import DeviceStager
-            self._stager = DeviceStager(device)
+        # gate: registers slots and gates their reuse on CUDA copies; stager: what
+        # _next_data hands each host batch to (pinning, or device= copies one ahead)
+        self._gate = self._stager = None
+        self._gate, self._stager = cuda.setup(loader, self._pin_memory,
+                                              getattr(self, "_pin_memory_device", None))
+        self._pin_small = self._gate is not None and isinstance(self._gate._rt, cuda.TorchCuda)
         n = self._num_workers
         slots = loader.slots if loader.slots is not None else default_slots(n, self._prefetch_factor)
-        capacity = slot_capacity(slots, n, self._prefetch_factor)
+        capacity = slot_capacity(slots, n, self._prefetch_factor, loader.max_slots)
+        cooling = capacity if self._gate is not None else 0  # slots cooling behind copies
+        max_slots = loader.max_slots if loader.max_slots is not None else capacity + cooling
         # a previous pool of this loader already learned how big batches are
         slot_bytes = max(loader.slot_bytes, loader.stats.learned_slot_bytes, fmt.MIN_SLOT_BYTES)
         self._epoch = 0
         ctx = loader.multiprocessing_context or torch.multiprocessing
         self._pool = SlotPool(
-            n, slots, capacity, slot_bytes, loader.shm_limit,
+            n, min(slots, max_slots), max_slots, slot_bytes, loader.shm_limit,
             on_map=self._gate.register if self._gate else None,
             on_unmap=self._gate.unregister if self._gate else None)
-        self._ledger = SlotLedger(self._pool, self._stats, self._gate)
+        self._ledger = SlotLedger(self._pool, self._stats, self._gate, capacity)
         self._shutdown = False
         try:
             control = self._pool.control
@@ -117,11 +109,8 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         if self._shutdown and not first_iter:
             raise RuntimeError(self._dead_message())
         _BaseDataLoaderIter._reset(self, loader, first_iter)
-        if self._staged is not None:
-            self._stager.wait(self._staged)  # its copy reads a slot about to be reused
-        self._staged = None
-        self._host_done = False
-        self._deferred_error = None
+        if self._stager is not None:
+            self._stager.reset()  # a staged batch's slot cools behind its copy event
         self._refill_error = None
         self._ended = False
         if not first_iter:
@@ -260,25 +249,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
     def _next_data(self):
         if self._stager is None:
             return self._next_host()
-        # device=: keep one batch copying on the side stream while the consumer
-        # works on the previous one.
-        if self._staged is None:
-            if self._deferred_error is not None:
-                error, self._deferred_error = self._deferred_error, None
-                raise error
-            if self._host_done:
-                raise StopIteration
-            self._staged = self._stager.stage(self._next_host())
-        ticket = self._staged  # stays in self._staged, so a shutdown meanwhile waits for its copy
-        following = None
-        try:
-            following = self._stager.stage(self._next_host())
-        except StopIteration:
-            self._host_done = True
-        except Exception as error:  # delivered after the batch already copied
-            self._deferred_error = error
-        self._staged = following
-        return self._stager.deliver(ticket)
+        return self._stager.next(self._next_host)  # pinning, or device= one batch ahead
 
     def _refill(self, keep_error: bool = False) -> None:
         try:
@@ -358,7 +329,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
             # from the lease's registration inside decode, the slot is the lease's:
             # whatever happens next, its death gives the slot back
             payload, _lease = fmt.decode(ledger.mapping(slot), header, ledger.leases,
-                                         ledger.on_release, slot)
+                                         ledger.on_release, slot, pin_small=self._pin_small)
             del _lease
         except BaseException:
             self._refill()
@@ -392,19 +363,26 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
             supervise.stop(self._workers)
             self._request_rings = self._done_rings = ()
             self._doorbell = None
-            if self._staged is not None and self._stager is not None:
-                self._stager.wait(self._staged)
-            if self._gate is not None:
-                self._gate.close()  # copies still reading cooling or leased slots finish first
+            if self._stager is not None:
+                self._stager.close()
             if self._ledger is not None:
+                # bounded wait for every copy that may still read a cooling, leased or
+                # staged slot, on every stream and device; then the pool unregisters
                 self._ledger.close()
             if self._pool is not None:
                 self._stats._detach(self._pool)
                 self._pool.close()
             supervise.untrack(self)
 
+    def _shutdown_at_exit(self) -> None:
+        """From atexit or a finaliser: no CUDA call (the process or the object is going
+        away); the next gate of this process finishes what is left."""
+        if getattr(self, "_gate", None) is not None:
+            self._gate.defer()
+        self._shutdown_workers()
+
     def __del__(self) -> None:
         try:
-            self._shutdown_workers()
+            self._shutdown_at_exit()
         except Exception:
             pass

@@ -25,6 +25,7 @@ import warnings
 
 from poolloader import slot_format as fmt
 from poolloader._shm import share_leased_with_children
+from poolloader.cuda import COOL_TIMEOUT_S
 from poolloader.errors import ShmSpaceError, SlotCorrupt
 from poolloader.pool import SlotPool, page_round, retire
 
@@ -40,18 +41,26 @@ def default_slots(num_workers: int, prefetch_factor: int) -> int:
     return num_workers * prefetch_factor + SPARE_SLOTS
 
 
-def slot_capacity(slots: int, num_workers: int, prefetch_factor: int) -> int:
-    """Slots the pool may hold: at least DataLoader's requests in flight plus the
-    batch being delivered and the one a `for` loop still holds, so the common loop
-    never detaches (a smaller slots= grows to this once: pool_growths)."""
-    return max(slots, default_slots(num_workers, prefetch_factor))
+def slot_capacity(slots: int, num_workers: int, prefetch_factor: int,
+                  max_slots: int | None = None) -> int:
+    """Slots the pool grows to before a held batch is detached: DataLoader's requests
+    in flight plus the batch being delivered and the one a `for` loop still holds, so
+    the common loop never detaches (a smaller slots= grows to this once:
+    pool_growths); never past `max_slots`."""
+    capacity = max(slots, default_slots(num_workers, prefetch_factor))
+    return capacity if max_slots is None else min(capacity, max_slots)
 
 
 class SlotLedger:
-    def __init__(self, pool: SlotPool, stats, gate=None):
+    """`capacity`: slots the pool grows to before a held batch is detached; with a CUDA
+    `gate`, slots cooling behind copies count as in flight, and the pool may grow past
+    `capacity` up to the pool's max_slots rather than wait for them."""
+
+    def __init__(self, pool: SlotPool, stats, gate=None, capacity: int | None = None):
         self.pool = pool
         self.gate = gate
         self.stats = stats
+        self.capacity = pool.max_slots if capacity is None else capacity
         self.free: list[int] = list(range(pool.num_slots - 1, -1, -1))
         self.inflight: dict[int, tuple[int, int]] = {}  # slot -> (seq, worker)
         self.leases: dict = {}     # weakref to a Lease -> slot; oldest first
@@ -78,19 +87,18 @@ class SlotLedger:
         size), now: FREE, else the oldest LEASED one detached, else a new one."""
         if self.released:
             self.drain()
-        if self.gate is not None:
-            self._take_ready(self.gate.ready(wait=False))
+        gate = self.gate
+        if gate is not None and gate.pending:
+            self._take_ready(gate.ready())
         if self.free:
             slot = self.free.pop()
-        elif self.pool.num_slots < self.pool.max_slots:
+        elif self.pool.num_slots < self.capacity:
             slot = self._add()
-        elif self.leases:
-            slot = self._detach_oldest()
-        elif self.gate is not None and self.gate.pending:
-            self._take_ready(self.gate.ready(wait=True))
-            slot = self.free.pop()
+        elif gate is not None and gate.pending and self.pool.num_slots < self.pool.max_slots:
+            slot = self._add()  # cooling slots come back by themselves: grow, do not wait
+            self.stats.cooling_growths += 1
         else:
-            raise SlotCorrupt(f"internal error: all {self.pool.num_slots} slots are in flight")
+            slot = self._reclaim()
         pool = self.pool
         if pool.mappings[slot] is None:
             self._refill(slot)
@@ -98,10 +106,26 @@ class SlotLedger:
             self.replace(slot, max(min_bytes, pool.target_bytes))
         return slot
 
+    def _reclaim(self) -> int:
+        """The pool may not grow: wait (bounded) for a slot cooling behind CUDA copies,
+        which costs nothing but time, else detach the oldest held batch."""
+        gate = self.gate
+        if gate is not None and gate.pending:
+            self._take_ready(gate.wait_any(COOL_TIMEOUT_S))
+            if self.free:
+                return self.free.pop()
+        if self.leases:
+            return self._detach_oldest()
+        if gate is not None and gate.pending:
+            raise RuntimeError(
+                f"PoolLoader: all {self.pool.num_slots} slots wait for CUDA copies that have "
+                f"not finished after {COOL_TIMEOUT_S:.0f} s; a stream seems stuck.")
+        raise SlotCorrupt(f"internal error: all {self.pool.num_slots} slots are in flight")
+
     def give_back(self, slot: int) -> None:
         """A slot main owns and no view of which was delivered."""
         if self.gate is not None:
-            self.gate.cool(slot)
+            self.gate.release(slot)  # FREE once every copy that may read it is done
         else:
             self.free.append(slot)
 
@@ -132,7 +156,7 @@ class SlotLedger:
 
     def _retire(self, mapping) -> None:
         if self.gate is not None:
-            self.gate.cool(mapping)
+            self.gate.release(mapping)  # unregistered and dropped once its copies are done
         else:
             retire(mapping)
 
@@ -204,10 +228,19 @@ class SlotLedger:
         also takes back any slot an interrupted call left in between."""
         self.drain()
         leased = set(self.leases.values())
-        cooling = set(self.gate.keys()) if self.gate is not None else set()
+        cooling = set(self.gate.cooling_keys()) if self.gate is not None else set()
         self.free = [s for s in range(self.pool.num_slots - 1, -1, -1)
                      if s not in leased and s not in self.inflight and s not in cooling]
 
     def close(self) -> None:
+        """Before the pool closes (workers stopped). With a gate: wait (bounded) for the
+        copies that may read a slot, then unregister the detached mappings too; each
+        detached mapping is unmapped when its batch's last view dies."""
         self._headers.clear()
-        self.detached.clear()  # each mapping is unmapped when its batch's last view dies
+        if self.gate is not None:
+            for key in self.gate.close():
+                if not isinstance(key, int):
+                    self.pool.unmap(key)
+            for mapping in self.detached.values():
+                self.pool.unmap(mapping)
+        self.detached.clear()

@@ -1,7 +1,6 @@
 """PoolLoader: torch.utils.data.DataLoader with batches moved through a slot pool."""
 from __future__ import annotations
 
-import warnings
 from typing import TypeVar
 
 from torch.utils.data import DataLoader
@@ -25,8 +24,11 @@ class PoolLoader(DataLoader[T_co]):
       slot_bytes  initial size of each slot (default 1 MiB); a batch that does
                   not fit grows its slot (×1.25 headroom) and the rest follow.
       slots       slots in the pool (default num_workers × prefetch_factor + 2).
-      max_slots   deprecated, no effect: a consumer that keeps batches never
-                  exhausts the pool (the oldest held batch is detached from it).
+      max_slots   optional cap on the slots in the pool (default: slots, grown
+                  to num_workers × prefetch_factor + 2 if smaller, plus as many
+                  again on CUDA for slots cooling behind copies). At the cap a
+                  request waits (bounded) for a cooling slot, or detaches the
+                  oldest batch the consumer holds: it never fails.
       shm_limit   cap in bytes on the pool's shared memory (also the
                   POOLLOADER_SHM_LIMIT environment variable); None: /dev/shm's
                   free space is the only limit.
@@ -56,11 +58,13 @@ class PoolLoader(DataLoader[T_co]):
             raise ValueError(f"slots must be a positive number of slots, got {slots!r}")
         if shm_limit is not None and (not isinstance(shm_limit, int) or shm_limit < 1):
             raise ValueError(f"shm_limit must be a positive number of bytes, got {shm_limit!r}")
-        if max_slots is not None:
-            warnings.warn(
-                "PoolLoader(max_slots=) has no effect: a consumer that keeps batches no longer "
-                "exhausts the pool (the oldest held batch is detached from it); drop the "
-                "argument.", DeprecationWarning, stacklevel=2)
+        in_flight = self.num_workers * (self.prefetch_factor or 0)
+        if max_slots is not None and (not isinstance(max_slots, int)
+                                      or max_slots < max(1, in_flight)):
+            raise ValueError(
+                f"max_slots={max_slots!r} is below the {self.num_workers} × "
+                f"{self.prefetch_factor} requests DataLoader keeps in flight (num_workers × "
+                "prefetch_factor); raise it, or leave it None")
         self.shuffle = shuffle
         self.slot_bytes = slot_bytes
         self.slots = slots

@@ -150,8 +150,9 @@ def retire(mapping) -> None:
 class SlotPool:
     """Main side: owns every name and segment of one loader's pool.
 
-    `on_map(mapping)` / `on_unmap(mapping)` let the CUDA part register slots
-    once. Only main calls this; workers use WorkerSlots.
+    `on_map(mapping, slot)` / `on_unmap(mapping, slot)` let the CUDA part register
+    each mapping once, at creation, and unregister it before it is unmapped. Only
+    main calls this; workers use WorkerSlots.
     """
 
     def __init__(self, num_workers: int, slots: int, max_slots: int, slot_bytes: int,
@@ -239,9 +240,11 @@ class SlotPool:
             self._map_new(slot, nbytes)
         finally:
             if old is not None:
-                if self._on_unmap is not None:
-                    self._on_unmap(old)
-                retire(old)
+                try:
+                    if self._on_unmap is not None:
+                        self._on_unmap(old, slot)
+                finally:
+                    retire(old)
         self.growth_events += 1
         self._bump()
 
@@ -271,7 +274,7 @@ class SlotPool:
                                  self.shm_limit)
         if self._on_map is not None:
             try:
-                self._on_map(mapping)
+                self._on_map(mapping, slot)
             except BaseException:
                 unlink_quietly(name)
                 retire(mapping)
@@ -288,9 +291,11 @@ class SlotPool:
 
     def unmap(self, mapping) -> None:
         """A mapping detached from the pool whose batch is gone: unregister, unmap."""
-        if self._on_unmap is not None:
-            self._on_unmap(mapping)
-        retire(mapping)
+        try:
+            if self._on_unmap is not None:
+                self._on_unmap(mapping, None)
+        finally:
+            retire(mapping)
 
     def needs_resize(self, slot: int) -> bool:
         mapping = self.mappings[slot]
@@ -334,10 +339,14 @@ class SlotPool:
             unlink_quietly(name)
         self._names.clear()
         self._pending.clear()
-        for mapping in self.mappings:
+        failure = None
+        for slot, mapping in enumerate(self.mappings):
             if mapping is not None:
-                if self._on_unmap is not None:
-                    self._on_unmap(mapping)
+                try:
+                    if self._on_unmap is not None:
+                        self._on_unmap(mapping, slot)
+                except BaseException as e:  # the other slots are unmapped all the same
+                    failure = failure or e
                 retire(mapping)
         self.mappings = []
         if self.control is not None:
@@ -346,6 +355,8 @@ class SlotPool:
         if self._control_mapping is not None:
             retire(self._control_mapping)
             self._control_mapping = None
+        if failure is not None:
+            raise failure
 
 
 class WorkerSlots:

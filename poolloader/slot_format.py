@@ -519,7 +519,7 @@ def check_header(header: np.ndarray, slot_size: int) -> tuple[int, int, int, int
 
 
 def decode(mapping, header: np.ndarray, registry: dict | None = None, on_release=None,
-           key=None):
+           key=None, pin_small: bool = False):
     """Rebuild the payload of a published slot.
 
     Returns (payload, lease). The lease covers the data region; it is created first
@@ -543,7 +543,7 @@ def decode(mapping, header: np.ndarray, registry: dict | None = None, on_release
                           f"{int(header[F_SKELETON_CRC]):#010x} ({skel_len} bytes at {skel_off})")
     small = None
     if small_len:
-        small = torch.empty(small_len, dtype=torch.uint8)
+        small = torch.empty(small_len, dtype=torch.uint8, pin_memory=pin_small)
         small.numpy()[:] = np.frombuffer(mapping, np.uint8, count=small_len, offset=small_off)
     unpickler = _SkeletonUnpickler(io.BytesIO(skeleton), lease, small)
     try:

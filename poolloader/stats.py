@@ -22,6 +22,12 @@ class LoaderStats:
                      num_workers × prefetch_factor requests in flight need)
     detaches         held batches detached from the pool: the consumer kept every
                      slot's batch, so the oldest one's segment left the pool with it
+    pool_growths     slots added because the consumer held every slot, or because
+                     every other slot was cooling (see cooling_growths)
+    cooling_growths  slots added because every free slot was still cooling: waiting
+                     for CUDA copies that may read it (pin_memory=True / device=)
+    cooling_waits    times next() had to wait for a cooling slot (the pool was at
+                     max_slots); cooling_wait_s: seconds spent so. High: raise max_slots
     slot_count, slot_bytes, pool_bytes: the current pool (0 when none exists)
 
     Every counter accumulates over the loader's lifetime (a non-persistent loader
@@ -36,6 +42,9 @@ class LoaderStats:
         self.slot_growths = 0
         self.pool_growths = 0
         self.detaches = 0
+        self.cooling_growths = 0
+        self.cooling_waits = 0
+        self.cooling_wait_s = 0.0
         self.learned_slot_bytes = 0
         self._closed_workers = [0, 0, 0]  # worker columns of pools already closed
         self._pool = None
@@ -96,6 +105,8 @@ class LoaderStats:
             "worker_idle_s": round(self.worker_idle_s, 6),
             "slot_growths": self.slot_growths, "pool_growths": self.pool_growths,
             "detaches": self.detaches,
+            "cooling_growths": self.cooling_growths, "cooling_waits": self.cooling_waits,
+            "cooling_wait_s": round(self.cooling_wait_s, 6),
             "slot_count": self.slot_count, "slot_bytes": self.slot_bytes,
             "pool_bytes": self.pool_bytes,
         }

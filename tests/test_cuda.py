@@ -48,3 +48,27 @@ def test_device_delivery():
         assert got[0].is_cuda and got[2][0]["boxes"].is_cuda
         assert torch.equal(got[0].cpu(), want[0])
         assert torch.equal(got[2][3]["labels"].cpu(), want[2][3]["labels"])
+
+
+def test_side_stream_copy_with_next_outside_it():
+    # issue 14's check: the copy is queued on a side stream behind a long kernel while
+    # next() runs on the default stream; the slot must not be reused before it ran
+    class Full(torch.utils.data.Dataset):
+        def __len__(self):
+            return 64
+
+        def __getitem__(self, i):
+            return torch.full((4, 1 << 18), float(i))
+
+    it = iter(PoolLoader(Full(), batch_size=2, num_workers=2, pin_memory=True, slots=2,
+                         prefetch_factor=1))
+    side, outs = torch.cuda.Stream(), []
+    for _ in range(32):
+        b = next(it)
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(50_000_000)
+            outs.append(b.to("cuda", non_blocking=True))
+        del b
+    torch.cuda.synchronize()
+    assert [o[:, 0, 0].tolist() for o in outs] == [[2.0 * k, 2.0 * k + 1] for k in range(32)]
+    it._shutdown_workers()
