@@ -43,6 +43,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:  # the data generators in fixtures/ are not installed
+    sys.path.insert(0, REPO)
 DEFAULT_RESULTS = os.path.join(REPO, "results")
 SHM_DIR = "/dev/shm"
 
@@ -472,7 +474,7 @@ def wait_clean(timeout: float = 10.0) -> list[str]:
 
 def coco_like_data(images: int, seed: int, root: str | None = None) -> tuple[str, str]:
     """(root, annotation file) of the cached synthetic JPEG data set."""
-    from poolloader.synthetic import cached_coco_like
+    from fixtures.synthetic import cached_coco_like
 
     return cached_coco_like(images, seed, root)
 

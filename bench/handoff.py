@@ -29,7 +29,7 @@ Arms (loaders), run on the same data in the same process run:
 Dataset: `--dataset cheap` (default) returns precomputed tensors (the image is
 returned as is, the 7 target tensors are cloned, as a real dataset builds them
 fresh), so workers are not the bottleneck and the boundary is what is measured.
-`--dataset jpeg` decodes real JPEGs: `poolloader.synthetic.make_coco_like` +
+`--dataset jpeg` decodes real JPEGs: `fixtures.synthetic.make_coco_like` +
 `CocoLikeDataset(resolution=576)` when that module exists, else 32 noise JPEGs
 written with Pillow and decoded/resized in `__getitem__`.
 
@@ -210,7 +210,7 @@ class CheapDetection(Dataset):
 
 
 class CocoLikeWithMask(Dataset):
-    """`poolloader.synthetic.CocoLikeDataset` items plus a padding mask (all False:
+    """`fixtures.synthetic.CocoLikeDataset` items plus a padding mask (all False:
     every image is resized to the same square), cycled to `length` items."""
 
     def __init__(self, base, length: int):
@@ -266,13 +266,13 @@ def build_dataset(kind: str, length: int, tmpdir: str):
     if kind == "cheap":
         return CheapDetection(length), "cheap: precomputed tensors (targets cloned per item)"
     try:
-        from poolloader.synthetic import CocoLikeDataset, make_coco_like
+        from fixtures.synthetic import CocoLikeDataset, make_coco_like
     except ImportError:
         return (NoiseJpegDetection(tmpdir, length),
-                "jpeg: 32 noise JPEGs 640x480 (Pillow decode + resize; poolloader.synthetic missing)")
+                "jpeg: 32 noise JPEGs 640x480 (Pillow decode + resize; fixtures.synthetic missing)")
     ann = make_coco_like(tmpdir, 32, seed=0)
     return (CocoLikeWithMask(CocoLikeDataset(tmpdir, ann, resolution=RESOLUTION), length),
-            "jpeg: poolloader.synthetic.make_coco_like(32 images 640x480) + CocoLikeDataset(576)")
+            "jpeg: fixtures.synthetic.make_coco_like(32 images 640x480) + CocoLikeDataset(576)")
 
 
 # ---------------------------------------------------------------------------

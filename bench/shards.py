@@ -1,6 +1,6 @@
 """Loose JPEG files vs tar shards, through torch's DataLoader and PoolLoader.
 
-The four arms read the same synthetic COCO-like images (poolloader.synthetic,
+The four arms read the same synthetic COCO-like images (fixtures.synthetic,
 640x480 JPEGs) and produce the same batches' structure, RF-DETR style:
 `(images [B,3,R,R], padding mask [B,R,R], PackedTargets)` from
 `DetectionCollate(pack=True)` at resolution R:
@@ -21,7 +21,7 @@ the rest of one pass over the data: img/s = images delivered after the warm-up
 / wall time. The table gives median [min-max] over the repetitions, and paired
 ratios (per repetition, between arms measured side by side).
 
-Shards are written once per run with poolloader.shards.write_shards, sized so
+Shards are written once per run with fixtures.shards.write_shards, sized so
 each worker gets `--shards-per-worker` shards (a worker with no shard would be
 idle, and WebDataset's empty check would fail it).
 
@@ -48,8 +48,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from poolloader import DetectionCollate, PoolLoader  # noqa: E402
-from poolloader.shards import DecodeSample, shard_urls, write_shards  # noqa: E402
-from poolloader.synthetic import CocoLikeDataset, make_coco_like  # noqa: E402
+from fixtures.shards import DecodeSample, shard_urls, write_shards  # noqa: E402
+from fixtures.synthetic import CocoLikeDataset, make_coco_like  # noqa: E402
 
 ARMS = [("loose", "DataLoader"), ("loose", "PoolLoader"),
         ("shards", "DataLoader"), ("shards", "PoolLoader")]

@@ -1,7 +1,7 @@
 """Loader throughput against num_workers: torch DataLoader vs PoolLoader.
 
 Data (`--datasets`, default both):
-  filled  `poolloader.synthetic.FilledDetectionDataset` at 576×576, mean 7
+  filled  `fixtures.synthetic.FilledDetectionDataset` at 576×576, mean 7
           instances: RF-DETR-shaped samples from cheap deterministic tensors,
           so workers are cheap and the hand-off weighs;
   jpeg    `CocoLikeDataset` over `make_coco_like` JPEGs (640×480, cached in the
@@ -50,7 +50,7 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from poolloader import DetectionCollate, PoolLoader  # noqa: E402
-from poolloader.synthetic import CocoLikeDataset, FilledDetectionDataset  # noqa: E402
+from fixtures.synthetic import CocoLikeDataset, FilledDetectionDataset  # noqa: E402
 
 NAME = "workers"
 BATCH = 16
