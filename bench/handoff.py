@@ -350,7 +350,7 @@ def run_cell(arm: Arm, row: str, workers: int, dataset, cfg) -> dict:
                 "samples_warm_drop_ms": [round(x, 4) for x in wd],
             })
     finally:
-        batch = None
+        batch = None  # noqa: F841 (drop the last batch before the workers stop)
         shutdown_error = None
         if it is not None:
             try:
