@@ -117,6 +117,11 @@ def measure(cell, arm: str, args) -> dict:
     return out
 
 
+def median_text(raw, cell, arm, metric, spec) -> str:
+    s = common.summarize(raw.series(cell, arm, metric))
+    return common.fmt_num(s.median, spec) if s.n else "–"
+
+
 def kept_text(raw, cell) -> str:
     """The kept bytes (the same data for both arms: one number, or both when they differ)."""
     values = {arm: common.summarize(raw.series(cell, arm, "kept_mib")) for arm in ARMS}
@@ -139,8 +144,7 @@ def render(raw, args) -> str:
             common.cell_text(raw, cell, "PoolLoader", "shm_mib", ".0f"),
             common.ratio_text(raw, cell, "PoolLoader", "DataLoader", "shm_mib"),
             kept_text(raw, cell),
-            f"{common.summarize(raw.series(cell, 'DataLoader', 'fds')).fmt('.0f')} / "
-            f"{common.summarize(raw.series(cell, 'PoolLoader', 'fds')).fmt('.0f')}",
+            " / ".join(median_text(raw, cell, arm, "fds", ".0f") for arm in ARMS),
         ])
     knob = pool_options(args)
     head = (f"The consumer keeps every batch: {args.batches} batches of {common.BATCH} × "
@@ -154,7 +158,7 @@ def render(raw, args) -> str:
     table = common.markdown_table(
         ["targets", "kept", "DataLoader main ms", "PoolLoader main ms", "Pool/DL main ms",
          "DataLoader shm held MiB", "PoolLoader shm held MiB", "Pool/DL shm", "kept MiB",
-         "fds DL / Pool"], rows, "llrrrrrrrr")
+         "fds DL / Pool (median)"], rows, "llrrrrrrrr")
     return f"### {NAME}\n\n{head}\n\n{table}\n"
 
 
