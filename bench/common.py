@@ -380,7 +380,8 @@ def write_outputs(args, text: str, payload: dict | None = None) -> None:
         write_json(args.json, {"bench": args.bench, "config": vars(args), **(payload or {})})
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or None when matplotlib is missing."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -390,7 +391,8 @@ def _pyplot():
     return plt
 
 
-def _save(fig, plt, path: str) -> str:
+def save_figure(fig, plt, path: str) -> str:
+    """Lay out, write `path` (PNG, folders created) and close `fig`."""
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -404,7 +406,7 @@ def plot_sweep(path: str, xs: Sequence, series: dict[str, Sequence[Summary]], *,
     """Medians with min–max error bars per arm against `xs`; with `ratios`, a second
     panel of paired ratios (log scale: 2× and 0.5× are equally far from 1).
     Returns `path`, or None if matplotlib is missing."""
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         print(f"matplotlib not installed: no plot {path}", file=sys.stderr)
         return None
@@ -435,7 +437,7 @@ def plot_sweep(path: str, xs: Sequence, series: dict[str, Sequence[Summary]], *,
         draw(axes[0][1], ratios, ratio_label + " (log scale)", True)
         axes[0][1].axhline(1.0, color="grey", lw=0.8, ls="--")
         axes[0][1].set_title("paired ratio per repetition, median [min–max]", fontsize=10)
-    return _save(fig, plt, path)
+    return save_figure(fig, plt, path)
 
 
 def draw_bars(ax, groups: Sequence[str], series: dict[str, Sequence[Summary]], *, ylabel: str,
@@ -463,7 +465,7 @@ def plot_bars(path: str, groups: Sequence[str], series: dict[str, Sequence[Summa
               curves_label: str = "", curves_xlabel: str = "step") -> str | None:
     """`draw_bars` in one panel; with `curves`, a second panel of line plots (e.g.
     loss per step per arm). Returns `path`, or None if matplotlib is missing."""
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         print(f"matplotlib not installed: no plot {path}", file=sys.stderr)
         return None
@@ -479,7 +481,7 @@ def plot_bars(path: str, groups: Sequence[str], series: dict[str, Sequence[Summa
         ax.set_ylabel(curves_label)
         ax.grid(True, alpha=0.3)
         ax.legend()
-    return _save(fig, plt, path)
+    return save_figure(fig, plt, path)
 
 
 # ---------------------------------------------------------------------------

@@ -533,7 +533,7 @@ def target_checks(summary, workers_list, rows) -> str:
 
 
 def plot(summary, workers_list, rows, path: str) -> str:
-    plt = common._pyplot()
+    plt = common.pyplot()
     if plt is None:
         return "matplotlib is not installed: --plot skipped (pip install matplotlib)"
     panels = (("sum_ms", "next+drop ms (after a sleep)"), ("warm_sum_ms", "next+drop ms (warm)"),
@@ -548,7 +548,7 @@ def plot(summary, workers_list, rows, path: str) -> str:
                              ylabel=ylabel, title=f"{w} workers", log=True, rotation=15)
     fig.suptitle(f"worker→main hand-off, batch {BATCH}, {RESOLUTION}×{RESOLUTION} "
                  "(median, min–max over reps)")
-    common._save(fig, plt, path)
+    common.save_figure(fig, plt, path)
     return f"plot written to {path}"
 
 

@@ -35,7 +35,7 @@ time (all threads, /proc schedstat) over the loop, per batch; the epoch's end
   shm held   bytes of /dev/shm objects the main process maps
              (`common.shm_mapped_bytes`: unlinked ones included, each counted once);
   kept       bytes of the tensors the consumer holds (what it asked to keep);
-  fds        the main process's open descriptors.
+  fds        the main process's open descriptors (and its RSS, in the JSON).
 Then everything is dropped, `gc.collect()`, and the shared memory still mapped
 is recorded (`shm_after_mib`, JSON only: should be 0). Repetitions interleave
 the arms in rotated order; median [min–max] over repetitions and PoolLoader /
@@ -67,7 +67,7 @@ ARMS = ("DataLoader", "PoolLoader")
 LOADERS = {"DataLoader": DataLoader, "PoolLoader": PoolLoader}
 KEEPS = ("all", "targets")
 ROWS = ("per_sample", "packed")
-METRICS = ("main_cpu_ms", "shm_mib", "kept_mib", "fds", "shm_after_mib", "batch_s")
+METRICS = ("main_cpu_ms", "shm_mib", "kept_mib", "fds", "rss_mib", "shm_after_mib", "batch_s")
 
 
 def pool_options(args) -> dict:
@@ -101,7 +101,7 @@ def measure(cell, arm: str, args) -> dict:
             raise common.BenchError(f"got {len(kept)} batches, expected {args.batches}")
         held = {"shm_mib": common.shm_mapped_bytes() / 2**20,
                 "kept_mib": sum(t.nbytes for t in common.tensors_in(kept)) / 2**20,
-                "fds": common.fd_count()}
+                "fds": common.fd_count(), "rss_mib": common.rss_bytes() / 2**20}
         stats = loader.stats.as_dict() if pool else {}
     finally:
         kept = None
