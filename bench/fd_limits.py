@@ -2,14 +2,17 @@
 
 Method. Every cell (loader x workers x RLIMIT_NOFILE) runs in a fresh child Python
 that sets the limit (soft and hard) before it imports torch or poolloader, builds
-the loader over an RF-DETR shaped dataset (batch 16; per sample an image f32
-[3,hw,hw], a bool mask [hw,hw] and a target dict of 7 tensors, n = 0..12 boxes:
-114 tensors per batch, the per-sample-targets layout of DESIGN.md) and pulls
-`--batches` batches, checking each has 114 tensors. A cell passes when every batch
-arrived; otherwise it reports FAIL, the first line of the error and the function
-that raised it (a child that runs past `--timeout` is killed and reported as a
-timeout; a DataLoader timeout also shows the first error a worker printed). A passing cell also
-shows main's open descriptors after the loader started / after the last batch.
+the loader over bench/common.py's RF-DETR shaped dataset (`RFDETRShaped`, batch 16;
+per sample an image f32 [3,hw,hw], a bool mask [hw,hw] and a target dict of 7
+tensors, n = 0..14 boxes) collated with `RFDETRCollate("per_sample")`: 114 tensors
+per batch, the per-sample-targets layout of DESIGN.md) and pulls `--batches`
+batches, checking each has 114 tensors. A cell passes when every batch arrived;
+otherwise it reports FAIL, the first line of the error and the function that
+raised it (a child that runs past `--timeout` is killed and reported as a
+timeout; a DataLoader timeout also shows the first error a worker printed). A
+passing cell also shows main's open descriptors after the loader started / after
+the last batch. With `--reps N` every cell runs N times (a fresh child each) and
+shows "pass" only if all passed, else its first failure and how many passed.
 
 Both loaders use their defaults: DataLoader with torch's default sharing strategy
 (file_descriptor on Linux), pin_memory=False, prefetch_factor 2; PoolLoader with
@@ -18,7 +21,7 @@ on Linux), or `--context`. Nothing here is timed: the figures are pass/fail.
 
     python bench/fd_limits.py            # limits 64 256 1024 x workers 2 8 16 32
     python bench/fd_limits.py --quick    # limits 64 1024 x workers 2 32, 20 batches
-    python bench/fd_limits.py --out results/fd_limits.md
+    python bench/fd_limits.py --out results/
 """
 from __future__ import annotations
 
@@ -29,41 +32,12 @@ import subprocess
 import sys
 import time
 
-TENSORS_PER_BATCH = 114
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import common  # noqa: E402  (imports neither torch nor poolloader)
 
-class RFDETRShaped:
-    """Map-style dataset of RF-DETR shaped samples (module level and torch-free at
-    import, so spawn workers can unpickle it and the limit is set before torch loads)."""
-
-    def __init__(self, n: int, hw: int):
-        self.n, self.hw = n, hw
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        import torch
-
-        g = torch.Generator().manual_seed(i)
-        n, hw = (i * 5) % 13, self.hw
-        return (torch.rand(3, hw, hw, generator=g), torch.rand(hw, hw, generator=g) > 0.9, {
-            "boxes": torch.rand(n, 4, generator=g),
-            "labels": torch.randint(0, 90, (n,), generator=g),
-            "image_id": torch.tensor([i]),
-            "area": torch.rand(n, generator=g),
-            "iscrowd": torch.zeros(n, dtype=torch.int64),
-            "orig_size": torch.tensor([480, 640]),
-            "size": torch.tensor([hw, hw]),
-        })
-
-
-def collate(batch):
-    """Images and masks stacked, targets kept per sample (16 dicts of 7 tensors)."""
-    import torch
-
-    return (torch.stack([b[0] for b in batch]), torch.stack([b[1] for b in batch]),
-            tuple(b[2] for b in batch))
+NAME = "fd_limits"
+TENSORS_PER_BATCH = 2 + common.BATCH * 7
 
 
 def _cell(limit: int, workers: int, loader: str, batches: int, hw: int, context: str) -> int:
@@ -79,26 +53,25 @@ def _cell(limit: int, workers: int, loader: str, batches: int, hw: int, context:
 
     from poolloader import PoolLoader
 
-    def fds() -> int:
-        return len(os.listdir("/proc/self/fd")) - 1  # less listdir's own
-
-    data = RFDETRShaped(64, hw)
+    data = common.RFDETRShaped(64, resolution=hw)
     sampler = RandomSampler(data, replacement=True, num_samples=16 * batches,
                             generator=torch.Generator().manual_seed(0))
-    cls = PoolLoader if loader == "PoolLoader" else DataLoader
+    pool = loader == "PoolLoader"
+    cls = PoolLoader if pool else DataLoader
     kw = {"multiprocessing_context": context} if context != "default" else {}
     got, start_fds = 0, None
     try:
-        it = iter(cls(data, batch_size=16, sampler=sampler, collate_fn=collate,
+        it = iter(cls(data, batch_size=16, sampler=sampler,
+                      collate_fn=common.RFDETRCollate("per_sample", pool),
                       num_workers=workers, timeout=30, **kw))
-        start_fds = fds()
+        start_fds = common.fd_count()
         for batch in it:
             count = 2 + sum(len(t) for t in batch[2])
             if count != TENSORS_PER_BATCH:
                 raise AssertionError(f"batch {got} has {count} tensors")
             got += 1
             del batch
-        end_fds = fds()
+        end_fds = common.fd_count()
         del it
     except BaseException as e:  # noqa: BLE001 - the cell's result is the error
         import traceback
@@ -139,8 +112,17 @@ def run_cell(limit, workers, loader, batches, hw, context, timeout) -> tuple[str
     return result, time.monotonic() - t0
 
 
+def combined(results: list[str]) -> str:
+    """One cell's text over its repetitions: the last pass, or the first failure and the count."""
+    passed = [r for r in results if r.startswith("pass")]
+    if len(passed) == len(results):
+        return passed[-1]
+    first = next(r for r in results if not r.startswith("pass"))
+    return first if len(results) == 1 else f"{first} ({len(passed)}/{len(results)} passed)"
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = common.parser(NAME, __doc__, reps=(1, 1), warmup_reps=(0, 0))
     ap.add_argument("--limits", type=int, nargs="+", default=[64, 256, 1024])
     ap.add_argument("--workers", type=int, nargs="+", default=[2, 8, 16, 32])
     ap.add_argument("--loaders", nargs="+", default=["DataLoader", "PoolLoader"])
@@ -148,11 +130,8 @@ def main(argv=None) -> int:
     ap.add_argument("--hw", type=int, default=96, help="image side (default 96; 576 is RF-DETR's)")
     ap.add_argument("--context", default="default", help="fork, spawn, forkserver or default")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per cell")
-    ap.add_argument("--quick", action="store_true",
-                    help="limits 64 1024, workers 2 32, 20 batches")
-    ap.add_argument("--out", help="also write the Markdown table here")
     ap.add_argument("--cell", nargs=6, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    args = common.parse(ap, argv)
     if args.cell:
         limit, workers, loader, batches, hw, context = args.cell
         return _cell(int(limit), int(workers), loader, int(batches), int(hw), context)
@@ -166,32 +145,29 @@ def main(argv=None) -> int:
     for loader in args.loaders:
         for workers in args.workers:
             for limit in args.limits:
-                result, took = run_cell(limit, workers, loader, args.batches, args.hw,
-                                        args.context, args.timeout)
-                results[loader, workers, limit] = result
-                print(f"  {loader:10} workers={workers:<3} ulimit -n {limit:<5} {took:5.1f} s  {result}",
-                      file=sys.stderr, flush=True)
-    lines = [
-        f"Descriptor limits: RF-DETR shaped batches (16 x [3,{args.hw},{args.hw}] + mask + 16 "
-        f"target dicts = {TENSORS_PER_BATCH} tensors), {args.batches} batches per cell, "
-        f"start method {args.context}; torch {torch.__version__}, Python "
-        f"{sys.version.split()[0]}, {os.cpu_count()} CPUs; {time.monotonic() - t0:.0f} s.",
-        "Each cell: its own process with RLIMIT_NOFILE set before importing torch; "
-        "pass (main's descriptors after start/at the end) or FAIL and the error's first line.",
-        "",
-        "| loader | workers | " + " | ".join(f"ulimit -n {limit}" for limit in args.limits) + " |",
-        "|---|---:|" + "---|" * len(args.limits),
-    ]
-    for loader in args.loaders:
-        for workers in args.workers:
-            cells = [results[loader, workers, limit] for limit in args.limits]
-            lines.append(f"| {loader} | {workers} | " + " | ".join(c.replace("|", "/") for c in cells) + " |")
-    table = "\n".join(lines)
-    print(table)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(table + "\n")
+                runs = []
+                for _ in range(args.reps):
+                    result, took = run_cell(limit, workers, loader, args.batches, args.hw,
+                                            args.context, args.timeout)
+                    runs.append(result)
+                    print(f"  {loader:10} workers={workers:<3} ulimit -n {limit:<5} {took:5.1f} s  "
+                          f"{result}", file=sys.stderr, flush=True)
+                results[loader, workers, limit] = combined(runs)
+    head = (f"Descriptor limits: RF-DETR shaped batches (16 x [3,{args.hw},{args.hw}] + mask + 16 "
+            f"target dicts = {TENSORS_PER_BATCH} tensors), {args.batches} batches per cell"
+            f"{f', {args.reps} runs per cell' if args.reps > 1 else ''}, "
+            f"start method {args.context}; torch {torch.__version__}, Python "
+            f"{sys.version.split()[0]}, {os.cpu_count()} CPUs; {time.monotonic() - t0:.0f} s.\n"
+            "Each cell: its own process with RLIMIT_NOFILE set before importing torch; "
+            "pass (main's descriptors after start/at the end) or FAIL and the error's first line.")
+    table = common.markdown_table(
+        ["loader", "workers"] + [f"ulimit -n {limit}" for limit in args.limits],
+        [[loader, workers] + [results[loader, workers, limit].replace("|", "/")
+                              for limit in args.limits]
+         for loader in args.loaders for workers in args.workers],
+        "lr" + "l" * len(args.limits))
+    common.write_outputs(args, f"### {NAME}\n\n{head}\n\n{table}\n",
+                         {"results": {f"{l} {w} {n}": r for (l, w, n), r in results.items()}})
     return 0
 
 

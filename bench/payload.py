@@ -36,7 +36,6 @@ Usage:
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -148,32 +147,25 @@ def plot(raw, args):
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_output_args(p, NAME)
+    p = common.parser(NAME, __doc__)
     p.add_argument("--sizes-mib", default="1,4,16,64,256", help="comma-separated batch sizes in MiB")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--batches", type=int, default=None,
                    help="minimum timed batches per cell (30; quick 12)")
     p.add_argument("--mib-per-cell", type=float, default=None,
                    help=f"payload timed per cell, at most {MAX_BATCHES} batches (2048; quick 512)")
-    args = p.parse_args(argv)
-    common.resolve_outputs(args, NAME)
+    args = common.parse(p, argv)
     args.batches = args.batches or (12 if args.quick else 30)
     args.mib_per_cell = args.mib_per_cell or (512 if args.quick else 2048)
     sizes = [float(s) for s in args.sizes_mib.split(",")]
     sizes = [int(s) if s.is_integer() else s for s in sizes]
 
-    raw = common.interleave(sizes, ARMS, lambda mib, arm: measure(mib, arm, args),
+    raw = common.interleave(sizes, ARMS, lambda mib, arm, rep: measure(mib, arm, args),
                             reps=args.reps, warmup_reps=args.warmup_reps, label=NAME)
     text = render(raw, args)
-    print(text)
-    if args.markdown:
-        common.write_text(args.markdown, text)
-    if args.json:
-        common.write_json(args.json, {
-            "bench": NAME, "config": vars(args), "raw": raw.as_json(),
-            "summary": common.summaries(raw, METRICS, baseline="DataLoader")})
+    common.write_outputs(args, text, {
+        "raw": raw.as_json(),
+        "summary": common.summaries(raw, METRICS, baseline="DataLoader")})
     if args.plot:
         plot(raw, args)
 

@@ -22,37 +22,39 @@ Measures:
 
 Method: every measurement starts a fresh child (start method ``--start-method``,
 fork by default) that says READY through the transport under test before the
-clock starts, so start-up, imports and mapping are never timed. ``--repeat``
+clock starts, so start-up, imports and mapping are never timed. ``--reps``
 rounds run every arm of every measure once, the arms in an order rotated each
-round (no arm always goes first or follows the same neighbour). Reported per
-arm: median [min–max] over the rounds, and how many times faster the ring is
-(the arm's median time over the ring's, or the ring's median rate over the
-arm's). Nothing is pinned to a CPU: on a small or busy machine the scheduler's
+round (no arm always goes first or follows the same neighbour): bench/common.py's
+``interleave``, a measure being a cell. Reported per arm: median [min–max] over
+the rounds, and how many times faster the ring is, paired per round (the arm's
+time over the ring's, or the ring's rate over the arm's, in the same round).
+Nothing is pinned to a CPU: on a small or busy machine the scheduler's
 placement of the two processes is part of the result, which is why the spread
 is shown. The clock is ``time.perf_counter``.
 
 Usage::
 
-    python bench/ring.py [--quick] [--json PATH] [--repeat 5] [--start-method fork]
+    python bench/ring.py [--quick] [--reps 5] [--start-method fork] [--out DIR] [--json PATH]
 
 ``--quick`` shrinks the counts for a smoke run; ``--json`` writes every raw
 number plus the configuration.
 """
-import argparse
-import json
 import multiprocessing
 import os
-import platform
 import signal
-import statistics
 import sys
 import time
 import uuid
 
-import posix_ipc
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from poolloader._ring import Ring
-from poolloader._shm import Mapping
+import common  # noqa: E402
+import posix_ipc  # noqa: E402
+
+from poolloader._ring import Ring  # noqa: E402
+from poolloader._shm import Mapping  # noqa: E402
+
+NAME = "ring"
 
 ARMS = ("ring", "Pipe", "Queue")
 READY, DONE = -1, -2
@@ -204,79 +206,58 @@ MEASURES = {
 }
 
 
-def run(cfg):
+def run(cfg) -> common.Raw:
     ctx = multiprocessing.get_context(cfg.start_method)
-    raw = {m: {arm: [] for arm in ARMS} for m in MEASURES}
-    for rnd in range(cfg.repeat):
-        order = ARMS[rnd % len(ARMS):] + ARMS[:rnd % len(ARMS)]
-        for measure, (_, _, value_of, _) in MEASURES.items():
-            for arm in order:
-                seconds = measure_once(arm, measure, ctx, cfg)
-                raw[measure][arm].append(value_of(seconds, cfg))
-        print(f"round {rnd + 1}/{cfg.repeat} done", file=sys.stderr)
-    return raw
+
+    def measure(name, arm, rep):
+        return {"value": MEASURES[name][2](measure_once(arm, name, ctx, cfg), cfg)}
+
+    return common.interleave(list(MEASURES), ARMS, measure, reps=cfg.reps,
+                             warmup_reps=cfg.warmup_reps, label=NAME)
 
 
-def summarise(raw):
-    summary = {}
-    for measure, (_, _, _, higher_better) in MEASURES.items():
-        ring_median = statistics.median(raw[measure]["ring"])
-        summary[measure] = {}
-        for arm in ARMS:
-            values = raw[measure][arm]
-            median = statistics.median(values)
-            speedup = median / ring_median if not higher_better else ring_median / median
-            summary[measure][arm] = {"median": median, "min": min(values),
-                                     "max": max(values), "ring_speedup": speedup}
-    return summary
+def speedup(raw: common.Raw, name: str, arm: str) -> common.Summary:
+    """How many times faster the ring is than `arm`, paired per round."""
+    if MEASURES[name][3]:  # a rate: ring / arm
+        return common.ratio(raw, name, "ring", arm, "value")
+    return common.ratio(raw, name, arm, "ring", "value")
 
 
-def table(summary, cfg):
-    lines = [
-        f"{cfg.round_trips:,} round trips (+{cfg.warmup:,} warm-up), {cfg.values:,} one-way "
-        f"values, ring capacity {cfg.capacity}, {cfg.repeat} rounds, start method "
-        f"{cfg.start_method}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
-        "",
-        "| measure | transport | median | [min–max] | ring is N× faster |",
-        "|---|---|---:|---:|---:|",
-    ]
-    for measure, (label, unit, _, _) in MEASURES.items():
+def table(raw: common.Raw, cfg) -> str:
+    head = (f"{cfg.round_trips:,} round trips (+{cfg.warmup:,} warm-up), {cfg.values:,} one-way "
+            f"values, ring capacity {cfg.capacity}, {cfg.reps} rounds, start method "
+            f"{cfg.start_method}; {common.env_line()}")
+    rows = []
+    for name, (label, unit, _, _) in MEASURES.items():
         for i, arm in enumerate(ARMS):
-            s = summary[measure][arm]
-            name = f"{label} ({unit})" if i == 0 else ""
             shown = "poolloader ring" if arm == "ring" else f"multiprocessing.{arm}"
-            lines.append(f"| {name} | {shown} | {s['median']:,.1f} | "
-                         f"[{s['min']:,.1f}–{s['max']:,.1f}] | {s['ring_speedup']:.1f}× |")
-    return "\n".join(lines)
+            faster = "1" if arm == "ring" else speedup(raw, name, arm).fmt(".1f", "×")
+            rows.append([f"{label} ({unit})" if i == 0 else "", shown,
+                         common.cell_text(raw, name, arm, "value", ",.1f"), faster])
+    return (f"### {NAME}\n\n{head}\n\n"
+            + common.markdown_table(["measure", "transport", "median [min–max]",
+                                     "ring is N× faster"], rows, "llrr") + "\n")
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small counts, 3 rounds")
-    parser.add_argument("--json", metavar="PATH", help="write raw numbers and config here")
-    parser.add_argument("--repeat", type=int, help="rounds (default 5, quick 3)")
+    parser = common.parser(NAME, __doc__, reps=(5, 3), warmup_reps=(0, 0))
     parser.add_argument("--round-trips", type=int, help="timed round trips (default 20,000)")
     parser.add_argument("--warmup", type=int, help="untimed round trips first (default 1,000)")
     parser.add_argument("--values", type=int, help="one-way values (default 200,000)")
     parser.add_argument("--capacity", type=int, default=1024, help="ring cells (default 1024)")
     parser.add_argument("--start-method", default="fork", choices=("fork", "spawn", "forkserver"))
-    cfg = parser.parse_args(argv)
+    cfg = common.parse(parser, argv)
     quick = cfg.quick
-    cfg.repeat = cfg.repeat or (3 if quick else 5)
     cfg.round_trips = cfg.round_trips or (2_000 if quick else 20_000)
     cfg.warmup = cfg.warmup if cfg.warmup is not None else (200 if quick else 1_000)
     cfg.values = cfg.values or (20_000 if quick else 200_000)
 
     raw = run(cfg)
-    summary = summarise(raw)
-    print(table(summary, cfg))
-    if cfg.json:
-        with open(cfg.json, "w") as f:
-            json.dump({"config": vars(cfg), "cpus": os.cpu_count(),
-                       "python": platform.python_version(), "platform": platform.platform(),
-                       "units": {m: MEASURES[m][1] for m in MEASURES},
-                       "raw": raw, "summary": summary}, f, indent=2)
-            f.write("\n")
+    common.write_outputs(cfg, table(raw, cfg), {
+        "units": {m: MEASURES[m][1] for m in MEASURES}, "raw": raw.as_json(),
+        "summary": {m: {arm: {"value": common.summarize(raw.series(m, arm, "value")).as_dict(),
+                              "ring_speedup": speedup(raw, m, arm).as_dict()}
+                        for arm in ARMS} for m in MEASURES}})
 
 
 if __name__ == "__main__":

@@ -6,17 +6,20 @@ its own session, so a crash, a hang or a leak in one cannot touch the next):
   workers   bench/workers.py   img/s vs num_workers, DataLoader vs PoolLoader
   payload   bench/payload.py   1 MiB -> 256 MiB batches: main ms/batch, GiB/s
   train     bench/train.py     examples/train_detector.py end to end, img/s
-  handoff   bench/handoff.py   the headline hand-off ablation       (if present)
-  fd_limits bench/fd_limits.py descriptor limits                    (if present)
-  ring      bench/ring.py      ring vs multiprocessing Pipe/Queue   (if present)
-  shards    bench/shards.py    sharded / WebDataset-style data      (if present)
+  handoff   bench/handoff.py   the headline hand-off ablation
+  keep      bench/keep.py      the consumer keeps every batch: main ms, shm held
+  fd_limits bench/fd_limits.py descriptor limits
+  ring      bench/ring.py      ring vs multiprocessing Pipe/Queue
+  shards    bench/shards.py    sharded / WebDataset-style data
 
 Each benchmark's own docstring states its method; all run DataLoader and
-PoolLoader side by side in the same process run. For each one this script asks
-`--help` which of `--quick`, `--json`, `--markdown`, `--plot` it takes and
-passes those (with `--quick` when given here), pointing them at
-`<out>/<name>.json|.md|.png`. A benchmark without `--markdown` has its stdout
-saved as `<name>.md`; every benchmark's stderr (progress) goes to `<name>.log`.
+PoolLoader side by side in the same process run. Every one parses its command
+line with bench/common.py's shared parser, so this script gives each the same
+flags (`common.runner_argv`): `--out <out>` (each writes `<name>.md`,
+`<name>.json` and `<name>.png` there), `--quick` and `--reps` when given here.
+Every benchmark's stdout is kept as `<name>.stdout.txt` (and stands in for
+`<name>.md` if it wrote none, e.g. it crashed); its stderr (progress) goes to
+`<name>.log`.
 
 After each run: its exit status and wall time are recorded; names left in
 /dev/shm carrying the pid of any process of its session, and processes of its
@@ -26,14 +29,13 @@ machine's load average before and after each run: other work on the machine
 shows up there) and `run_all.json`.
 
 Usage:
-    python bench/run_all.py [--quick] [--out results/] [--only workers,train]
+    python bench/run_all.py [--quick] [--reps N] [--out results/] [--only workers,train]
                             [--skip ring] [--timeout 600]
 """
 from __future__ import annotations
 
 import argparse
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -49,65 +51,22 @@ BENCHES = [
     ("payload", "payload size sweep"),
     ("train", "end-to-end training (examples/train_detector.py)"),
     ("handoff", "worker -> main hand-off ablation (headline)"),
+    ("keep", "the consumer keeps every batch"),
     ("fd_limits", "file-descriptor limits"),
     ("ring", "ring vs multiprocessing"),
     ("shards", "sharded data"),
 ]
-FLAGS = ("--quick", "--json", "--markdown", "--plot")
-
-
-def supported_flags(script: str) -> set[str]:
-    try:
-        proc = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True,
-                              timeout=120, cwd=common.REPO)
-    except subprocess.TimeoutExpired:
-        return set()
-    return {flag for flag in FLAGS if re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", proc.stdout)}
-
-
-def _session_pids(sid: int) -> list[int]:
-    """Live (non-zombie) processes whose session id is `sid`."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(b")") + 2:].split()
-        # fields: state ppid pgrp session ...
-        if int(fields[3]) == sid and fields[0] not in (b"Z", b"X"):
-            pids.append(int(entry))
-    return pids
-
-
-def _names_of(pids) -> list[str]:
-    try:
-        names = os.listdir(common.SHM_DIR)
-    except FileNotFoundError:
-        return []
-    marks = [m for pid in pids for m in (f"-{pid}-", f"_{pid}_")]
-    return sorted(n for n in names if any(m in n for m in marks))
 
 
 def run_one(name: str, args) -> dict:
     script = os.path.join(BENCH, f"{name}.py")
     entry = {"name": name, "script": os.path.relpath(script, common.REPO)}
-    if not os.path.exists(script):
-        entry["status"] = "absent"
-        return entry
-    flags = supported_flags(script)
     out = args.out
-    cmd = [sys.executable, script]
-    if args.quick and "--quick" in flags:
-        cmd.append("--quick")
-    files = {}
-    for flag, ext in (("--json", "json"), ("--markdown", "md"), ("--plot", "png")):
-        if flag in flags:
-            files[ext] = os.path.join(out, f"{name}.{ext}")
-            cmd += [flag, files[ext]]
+    for ext in ("md", "json", "png", "stdout.txt"):  # a crash must not pass off an old table
+        path = os.path.join(out, f"{name}.{ext}")
+        if os.path.exists(path):
+            os.unlink(path)
+    cmd = [sys.executable, script, *common.runner_argv(out, args.quick, args.reps)]
     entry["command"] = " ".join(os.path.relpath(c, common.REPO) if c.startswith(common.REPO) else c
                                 for c in cmd[1:])
     log_path = os.path.join(out, f"{name}.log")
@@ -122,7 +81,7 @@ def run_one(name: str, args) -> dict:
             stdout, _ = proc.communicate(timeout=args.timeout)
             entry["status"] = "ok" if proc.returncode == 0 else f"exit {proc.returncode}"
         except subprocess.TimeoutExpired:
-            seen.update(_session_pids(proc.pid))
+            seen.update(common.session_pids(proc.pid))
             os.killpg(proc.pid, signal.SIGKILL)  # the session this script started
             stdout, _ = proc.communicate()
             entry["status"] = f"timed out after {args.timeout} s"
@@ -132,9 +91,9 @@ def run_one(name: str, args) -> dict:
     seen.add(proc.pid)
     deadline = time.monotonic() + 10
     while True:
-        alive = _session_pids(proc.pid)
+        alive = common.session_pids(proc.pid)
         seen.update(alive)
-        names = _names_of(seen)
+        names = common.names_of(seen)
         if not (alive or names) or time.monotonic() > deadline:
             break
         time.sleep(0.1)
@@ -147,12 +106,10 @@ def run_one(name: str, args) -> dict:
                 pass
     if names:
         entry["left_shm_names"] = names
-    if "md" not in files:
-        files["md"] = common.write_text(os.path.join(out, f"{name}.md"),
-                                        f"### {name}\n\n{stdout.strip()}\n")
-    else:
-        with open(os.path.join(out, f"{name}.stdout.txt"), "w") as f:
-            f.write(stdout)
+    common.write_text(os.path.join(out, f"{name}.stdout.txt"), stdout)
+    files = {ext: os.path.join(out, f"{name}.{ext}") for ext in ("md", "json", "png")}
+    if not os.path.exists(files["md"]):
+        common.write_text(files["md"], f"### {name}\n\n{stdout.strip()}\n")
     entry["files"] = {k: os.path.relpath(v, out) for k, v in files.items() if os.path.exists(v)}
     pngs = sorted(f for f in os.listdir(out) if f.startswith(name) and f.endswith(".png"))
     entry["plots"] = pngs
@@ -181,8 +138,6 @@ def index(entries, args, total_s) -> str:
         "",
     ]
     for e in entries:
-        if e["status"] == "absent":
-            continue
         problems = []
         if e.get("left_processes"):
             problems.append(f"processes left alive (killed): {e['left_processes']}")
@@ -207,6 +162,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="every benchmark's --quick (~10 min in all)")
+    p.add_argument("--reps", "--repeats", dest="reps", type=int, default=None,
+                   help="every benchmark's --reps (default: each its own)")
     p.add_argument("--out", default=common.DEFAULT_RESULTS, help="results folder (default results/)")
     p.add_argument("--only", default=None, help="comma-separated benchmark names")
     p.add_argument("--skip", default="", help="comma-separated benchmark names to leave out")
@@ -233,7 +190,7 @@ def main(argv=None) -> None:
     common.write_json(os.path.join(args.out, "run_all.json"),
                       {"quick": args.quick, "total_s": total, "benchmarks": entries})
     print(text)
-    failed = [e["name"] for e in entries if e["status"] not in ("ok", "absent")]
+    failed = [e["name"] for e in entries if e["status"] != "ok"]
     if failed:
         print(f"[run_all] failed: {failed}", file=sys.stderr)
         sys.exit(1)

@@ -1,6 +1,6 @@
 """Loose JPEG files vs tar shards, through torch's DataLoader and PoolLoader.
 
-The four arms read the same synthetic COCO-like images (poolloader.synthetic,
+The four arms read the same synthetic COCO-like images (fixtures.synthetic,
 640x480 JPEGs) and produce the same batches' structure, RF-DETR style:
 `(images [B,3,R,R], padding mask [B,R,R], PackedTargets)` from
 `DetectionCollate(pack=True)` at resolution R:
@@ -13,78 +13,73 @@ The four arms read the same synthetic COCO-like images (poolloader.synthetic,
                         .batched(B, DetectionCollate()), batch_size=None
   shards / PoolLoader   the same, PoolLoader
 
-Method: every repetition runs the four arms back to back, in an order rotated
-from one repetition to the next (interleaved, so arms compared ran seconds apart
-on the same machine state). Each measurement builds a fresh loader, pulls
+Method: bench/common.py's `interleave` with one cell and the four arms: every
+repetition runs the four arms back to back, in an order rotated from one
+repetition to the next (so arms compared ran seconds apart on the same machine
+state). Each measurement builds a fresh loader (the shuffle and the shard order
+seeded with the repetition, the same for the four arms), pulls
 `--warmup-batches` batches untimed (worker start-up, slot growth), then times
 the rest of one pass over the data: img/s = images delivered after the warm-up
-/ wall time. The table gives median [min-max] over the repetitions, and paired
+/ wall time. The table gives median [min–max] over the repetitions, and paired
 ratios (per repetition, between arms measured side by side).
 
-Shards are written once per run with poolloader.shards.write_shards, sized so
-each worker gets `--shards-per-worker` shards (a worker with no shard would be
-idle, and WebDataset's empty check would fail it).
+The images come from this user's verified cache (fixtures/synthetic.py,
+`cached_coco_like(--images, seed 0)`), or `--data DIR/images`. Shards are written
+once per run with fixtures.shards.write_shards into a private temporary folder
+(or `--data DIR/shards`), sized so each worker gets `--shards-per-worker` shards
+(a worker with no shard would be idle, and WebDataset's empty check would fail it).
 
     python bench/shards.py --quick          # ~1-2 min on 2 cores
     python bench/shards.py                  # longer, more images and repetitions
 """
 from __future__ import annotations
 
-import argparse
-import gc
-import json
 import os
-import platform
 import shutil
-import statistics
 import sys
 import tempfile
 import time
 
-import torch
-from torch.utils.data import DataLoader
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+import common  # noqa: E402
+import torch  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
 
+from fixtures.shards import DecodeSample, shard_urls, write_shards  # noqa: E402
+from fixtures.synthetic import CocoLikeDataset  # noqa: E402
 from poolloader import DetectionCollate, PoolLoader  # noqa: E402
-from poolloader.shards import DecodeSample, shard_urls, write_shards  # noqa: E402
-from poolloader.synthetic import CocoLikeDataset, make_coco_like  # noqa: E402
 
+NAME = "shards"
 ARMS = [("loose", "DataLoader"), ("loose", "PoolLoader"),
         ("shards", "DataLoader"), ("shards", "PoolLoader")]
+ARM_KEYS = [f"{source}/{cls}" for source, cls in ARMS]
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="small run, about 1-2 minutes on 2 cores")
+    p = common.parser(NAME, __doc__, reps=(5, 3), warmup_reps=(0, 0))
     p.add_argument("--images", type=int, help="images in the data set (quick 192, default 384)")
     p.add_argument("--batch", type=int, help="batch size (quick 8, default 16)")
     p.add_argument("--resolution", type=int, default=576)
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--reps", type=int, help="timed repetitions (quick 3, default 5)")
     p.add_argument("--warmup-batches", type=int, help="untimed batches per measurement "
                    "(default: 2 x workers)")
     p.add_argument("--shards-per-worker", type=int, default=4)
-    p.add_argument("--data", help="directory for the images and shards (default: a temporary one)")
-    p.add_argument("--json", help="write the raw numbers here")
-    p.add_argument("--markdown", help="write the table here")
-    args = p.parse_args(argv)
+    p.add_argument("--data", help="directory for the images and shards (default: the per-user "
+                   "image cache and a temporary folder for the shards)")
+    args = common.parse(p, argv)
     args.images = args.images or (192 if args.quick else 384)
     args.batch = args.batch or (8 if args.quick else 16)
-    args.reps = args.reps or (3 if args.quick else 5)
     args.warmup_batches = (args.warmup_batches if args.warmup_batches is not None
                            else 2 * args.workers)
     return args
 
 
 def prepare(args, base):
-    root = os.path.join(base, "images")
-    ann = os.path.join(root, "annotations.json")
-    if not os.path.exists(ann):
-        t0 = time.perf_counter()
-        make_coco_like(root, args.images, seed=0, size=(640, 480))
-        print(f"wrote {args.images} JPEGs in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    t0 = time.perf_counter()
+    root, ann = common.coco_like_data(args.images, 0,
+                                      os.path.join(args.data, "images") if args.data else None)
+    print(f"{args.images} JPEGs ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     total = sum(os.path.getsize(os.path.join(root, f)) for f in os.listdir(root)
                 if f.endswith(".jpg"))
     nshards = args.workers * args.shards_per_worker
@@ -102,7 +97,10 @@ def prepare(args, base):
 
 
 def make_loader(args, arm, root, ann, urls, rep):
-    source, cls_name = arm
+    """The loader of `arm`, its shuffle (loose) or shard order (shards) seeded by `rep`
+    (warm-up repetitions, whose `rep` is negative, get seeds from 10000 up)."""
+    source, cls_name = arm.split("/")
+    rep = rep if rep >= 0 else 10_000 - rep
     cls = PoolLoader if cls_name == "PoolLoader" else DataLoader
     collate = DetectionCollate(pack=True)
     if source == "loose":
@@ -123,6 +121,7 @@ def make_loader(args, arm, root, ann, urls, rep):
 def measure(args, arm, root, ann, urls, rep):
     loader = make_loader(args, arm, root, ann, urls, rep)
     it = iter(loader)
+    common.note_workers(it)
     images = batches = 0
     try:
         for _ in range(args.warmup_batches):
@@ -135,21 +134,34 @@ def measure(args, arm, root, ann, urls, rep):
             del batch
         elapsed = time.perf_counter() - t0
     finally:
-        shutdown = getattr(it, "_shutdown_workers", None)
-        if shutdown is not None:
-            shutdown()
+        common.shutdown_iterator(it)
         del it, loader
-        gc.collect()
+        left = common.wait_clean()
+        if left:
+            raise RuntimeError(f"left behind after the measurement: {left}")
     return {"img_s": images / elapsed, "images": images, "batches": batches, "seconds": elapsed}
 
 
-def summary(values):
-    return statistics.median(values), min(values), max(values)
-
-
-def fmt(values, spec):
-    med, lo, hi = summary(values)
-    return f"{med:{spec}} [{lo:{spec}}–{hi:{spec}}]"
+def render(raw, args, counts, load, wall) -> str:
+    cell = raw.cells[0]
+    rows = []
+    for key in ARM_KEYS:
+        source, cls_name = key.split("/")
+        vs_dl = (common.ratio_text(raw, cell, key, f"{source}/DataLoader", "img_s")
+                 if cls_name == "PoolLoader" else "—")
+        vs_loose = (common.ratio_text(raw, cell, key, f"loose/{cls_name}", "img_s")
+                    if source == "shards" else "—")
+        rows.append([source, cls_name, common.cell_text(raw, cell, key, "img_s"), vs_dl, vs_loose])
+    head = (f"Loose JPEGs vs tar shards, {args.images} synthetic 640x480 JPEGs -> "
+            f"{args.resolution}², batch {args.batch}, {args.workers} workers, "
+            f"DetectionCollate(pack=True); {len(counts)} shards ({min(counts)}-{max(counts)} "
+            f"samples); {args.reps} interleaved repetitions, {args.warmup_batches} warm-up "
+            f"batches excluded; median [min–max].")
+    table = common.markdown_table(
+        ["input", "loader", "img/s", "PoolLoader / DataLoader", "shards / loose"], rows, "llrrr")
+    tail = (f"{common.env_line()}, load average {load[0]:.1f} -> {load[1]:.1f}; "
+            f"total {wall:.0f} s.")
+    return f"### {NAME}\n\n{head}\n\n{table}\n\n{tail}\n"
 
 
 def main(argv=None):
@@ -161,57 +173,20 @@ def main(argv=None):
     base = args.data or tempfile.mkdtemp(prefix="poolloader-shards-bench-")
     os.makedirs(base, exist_ok=True)
     t_start = time.perf_counter()
-    load_start = os.getloadavg()
+    load_start = os.getloadavg()[0]
     try:
         root, ann, urls, counts = prepare(args, base)
-        raw = {f"{s}/{c}": [] for s, c in ARMS}
-        for rep in range(args.reps):
-            order = ARMS[rep % len(ARMS):] + ARMS[:rep % len(ARMS)]
-            for arm in order:
-                m = measure(args, arm, root, ann, urls, rep)
-                raw[f"{arm[0]}/{arm[1]}"].append(m)
-                print(f"rep {rep} {arm[0]:6s} {arm[1]:10s} {m['img_s']:7.1f} img/s "
-                      f"({m['images']} images in {m['seconds']:.2f} s)", file=sys.stderr)
+        raw = common.interleave(
+            ["all"], ARM_KEYS, lambda cell, arm, rep: measure(args, arm, root, ann, urls, rep),
+            reps=args.reps, warmup_reps=args.warmup_reps, label=NAME,
+            show=lambda m: f"{m['img_s']:7.1f} img/s ({m['images']} images in {m['seconds']:.2f} s)")
     finally:
         if not args.data:
             shutil.rmtree(base, ignore_errors=True)
-    load_end = os.getloadavg()
-
-    def ips(key):
-        return [m["img_s"] for m in raw[key]]
-
-    def paired(num, den):
-        return [a / b for a, b in zip(ips(num), ips(den))]
-
-    lines = [
-        f"Loose JPEGs vs tar shards, {args.images} synthetic 640x480 JPEGs -> {args.resolution}², "
-        f"batch {args.batch}, {args.workers} workers, DetectionCollate(pack=True); "
-        f"{len(counts)} shards ({min(counts)}-{max(counts)} samples); "
-        f"{args.reps} interleaved repetitions, {args.warmup_batches} warm-up batches excluded; "
-        f"median [min–max].",
-        "",
-        "| input | loader | img/s | PoolLoader / DataLoader | shards / loose |",
-        "|---|---|---|---|---|",
-    ]
-    for source, cls_name in ARMS:
-        key = f"{source}/{cls_name}"
-        vs_dl = (fmt(paired(key, f"{source}/DataLoader"), ".2f") + "x"
-                 if cls_name == "PoolLoader" else "—")
-        vs_loose = (fmt(paired(key, f"loose/{cls_name}"), ".2f") + "x"
-                    if source == "shards" else "—")
-        lines.append(f"| {source} | {cls_name} | {fmt(ips(key), '.1f')} | {vs_dl} | {vs_loose} |")
-    lines += ["", f"{platform.python_implementation()} {platform.python_version()}, torch "
-              f"{torch.__version__}, {os.cpu_count()} CPUs, load average "
-              f"{load_start[0]:.1f} -> {load_end[0]:.1f}; total {time.perf_counter() - t_start:.0f} s."]
-    table = "\n".join(lines)
-    print(table)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(table + "\n")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "shard_counts": counts, "raw": raw,
-                       "loadavg": [load_start, load_end]}, f, indent=1)
+    text = render(raw, args, counts, (load_start, os.getloadavg()[0]),
+                  time.perf_counter() - t_start)
+    common.write_outputs(args, text, {"shard_counts": counts, "raw": raw.as_json(),
+                                      "summary": common.summaries(raw, ["img_s"])})
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ Usage:
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -116,9 +115,7 @@ def plot(raw, args, losses):
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_output_args(p, NAME)
+    p = common.parser(NAME, __doc__)
     p.add_argument("--targets", default=None, help="comma-separated: dicts "
                    "(DetectionCollate(pack=False)), packed (default both; quick dicts)")
     p.add_argument("--steps", type=int, default=None, help="steps per run (100; quick 40)")
@@ -127,28 +124,23 @@ def main(argv=None) -> None:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--data", default=None, help="data folder (default: the shared temp cache)")
-    args = p.parse_args(argv)
-    common.resolve_outputs(args, NAME)
+    p.add_argument("--data", default=None, help="data folder (default: the per-user verified cache)")
+    args = common.parse(p, argv)
     args.steps = args.steps or (40 if args.quick else 100)
     args.targets = args.targets or ("dicts" if args.quick else "dicts,packed")
     args.data, _ = common.coco_like_data(args.images, args.seed, args.data)
 
     losses: dict = {}
     cells = args.targets.split(",")
-    raw = common.interleave(cells, ARMS, lambda t, arm: measure(t, arm, args, losses),
+    raw = common.interleave(cells, ARMS, lambda t, arm, rep: measure(t, arm, args, losses),
                             reps=args.reps, warmup_reps=args.warmup_reps, label=NAME)
     text = render(raw, args, losses)
-    print(text)
-    if args.markdown:
-        common.write_text(args.markdown, text)
-    if args.json:
-        common.write_json(args.json, {
-            "bench": NAME, "config": vars(args), "raw": raw.as_json(),
-            "same_losses": {t: same_losses(losses, t) for t in cells},
-            "losses": {t: [{"arm": a, "losses": l} for a, l in runs]
-                       for t, runs in losses.items()},
-            "summary": common.summaries(raw, METRICS, baseline="DataLoader")})
+    common.write_outputs(args, text, {
+        "raw": raw.as_json(),
+        "same_losses": {t: same_losses(losses, t) for t in cells},
+        "losses": {t: [{"arm": a, "losses": l} for a, l in runs]
+                   for t, runs in losses.items()},
+        "summary": common.summaries(raw, METRICS, baseline="DataLoader")})
     if args.plot:
         plot(raw, args, losses)
 

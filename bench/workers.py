@@ -1,7 +1,7 @@
 """Loader throughput against num_workers: torch DataLoader vs PoolLoader.
 
 Data (`--datasets`, default both):
-  filled  `poolloader.synthetic.FilledDetectionDataset` at 576×576, mean 7
+  filled  `fixtures.synthetic.FilledDetectionDataset` at 576×576, mean 7
           instances: RF-DETR-shaped samples from cheap deterministic tensors,
           so workers are cheap and the hand-off weighs;
   jpeg    `CocoLikeDataset` over `make_coco_like` JPEGs (640×480, cached in the
@@ -39,7 +39,6 @@ Usage:
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -50,7 +49,7 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from poolloader import DetectionCollate, PoolLoader  # noqa: E402
-from poolloader.synthetic import CocoLikeDataset, FilledDetectionDataset  # noqa: E402
+from fixtures.synthetic import CocoLikeDataset, FilledDetectionDataset  # noqa: E402
 
 NAME = "workers"
 BATCH = 16
@@ -156,9 +155,7 @@ def plot(raw, args) -> str | None:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_output_args(p, NAME)
+    p = common.parser(NAME, __doc__)
     p.add_argument("--workers", default=None, help="comma-separated (default 2,3,4,6,8; quick 2,4,8)")
     p.add_argument("--datasets", default=None, help="filled,jpeg (default both; quick filled)")
     p.add_argument("--targets", choices=("dicts", "packed"), default="dicts")
@@ -167,8 +164,7 @@ def main(argv=None) -> None:
     p.add_argument("--resolution", type=int, default=None, help="jpeg resize (576; quick 320)")
     p.add_argument("--images", type=int, default=64, help="JPEGs generated for the jpeg data")
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
-    common.resolve_outputs(args, NAME)
+    args = common.parse(p, argv)
     q = args.quick
     workers = [int(w) for w in (args.workers or ("2,4,8" if q else "2,3,4,6,8")).split(",")]
     kinds = (args.datasets or ("filled" if q else "filled,jpeg")).split(",")
@@ -179,16 +175,12 @@ def main(argv=None) -> None:
         common.coco_like_data(args.images, args.seed)  # generate before anything is timed
 
     cells = [(kind, w) for kind in kinds for w in workers]
-    raw = common.interleave(cells, ARMS, lambda cell, arm: measure(cell, arm, args),
+    raw = common.interleave(cells, ARMS, lambda cell, arm, rep: measure(cell, arm, args),
                             reps=args.reps, warmup_reps=args.warmup_reps, label=NAME)
     text = render(raw, args)
-    print(text)
-    if args.markdown:
-        common.write_text(args.markdown, text)
-    if args.json:
-        common.write_json(args.json, {
-            "bench": NAME, "config": vars(args), "raw": raw.as_json(),
-            "summary": common.summaries(raw, METRICS, baseline="DataLoader")})
+    common.write_outputs(args, text, {
+        "raw": raw.as_json(),
+        "summary": common.summaries(raw, METRICS, baseline="DataLoader")})
     if args.plot:
         plot(raw, args)
 

@@ -1,7 +1,7 @@
 """Train a small detector on synthetic COCO-like JPEGs, with DataLoader or PoolLoader.
 
 The data path is RF-DETR's: workers decode real JPEG files with Pillow, flip
-them at random, resize and normalise them (`poolloader.synthetic.CocoLikeDataset`),
+them at random, resize and normalise them (`fixtures.synthetic.CocoLikeDataset`, from this repository),
 and `DetectionCollate` pads them into one batch: images [B,3,H,W], a padding mask
 [B,H,W] (True = padding) and the targets (packed one tensor per field with
 `--pack-targets`, else a tuple of per-image dicts).
@@ -32,7 +32,9 @@ data, the final loss and a summary of the loss curve, and for PoolLoader
 `loader.stats.as_dict()`. `--json PATH` writes all of it with the per-step losses.
 
 The synthetic data (`--images` JPEGs, 640×480) is generated once and cached in
-`--data` (default: <tmp>/poolloader-data/coco-like-seed<S>-n<N>).
+`--data` (default: this user's private cache, `$XDG_CACHE_HOME/poolloader/
+coco-like-seed<S>-n<N>`, checked against its manifest before each use; see
+`fixtures/cache.py`).
 
 Example:
     python examples/train_detector.py --loader pool --workers 2 --steps 60
@@ -55,8 +57,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from poolloader import DetectionCollate, PackedTargets, PoolLoader
-from poolloader.synthetic import CATEGORIES, CocoLikeDataset, cached_coco_like
+# The data generator lives in the repository's fixtures/ (not installed with the package).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from fixtures.synthetic import CATEGORIES, CocoLikeDataset, cached_coco_like  # noqa: E402
+from poolloader import DetectionCollate, PackedTargets, PoolLoader  # noqa: E402
 
 LOADERS = {"torch": DataLoader, "pool": PoolLoader}
 NUM_CLASSES = len(CATEGORIES)
@@ -345,7 +350,8 @@ def parse_args(argv=None):
     p.add_argument("--multiscale", default=None,
                    help="comma-separated sizes chosen per image (padding + mask in play)")
     p.add_argument("--images", type=int, default=64, help="synthetic images to generate")
-    p.add_argument("--data", default=None, help="data folder (cached; default under the temp dir)")
+    p.add_argument("--data", default=None,
+                   help="data folder (generated if missing or empty; default: the per-user cache)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--queries", type=int, default=24)

@@ -104,6 +104,12 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
     def worker_pids(self) -> list[int]:
         return [w.pid for w in self._workers]
 
+    @property
+    def prefetched(self) -> tuple[int, int]:
+        """(replies waiting for main, requests in flight): a benchmark waits until the
+        first equals the second before it times a next() that only hands off."""
+        return sum(len(r) for r in self._done_rings), len(self._ledger.inflight)
+
     # -- epochs --------------------------------------------------------------
     def _reset(self, loader, first_iter=False) -> None:
         if self._shutdown and not first_iter:

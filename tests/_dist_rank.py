@@ -83,7 +83,7 @@ def train(rank, world):
 def stream(urls):
     import webdataset as wds
 
-    from poolloader.shards import DecodeSample
+    from fixtures.shards import DecodeSample
 
     pipeline = (wds.WebDataset(urls, shardshuffle=False, nodesplitter=wds.split_by_node,
                                workersplitter=wds.split_by_worker, empty_check=False)

@@ -24,7 +24,7 @@ from poolloader import PoolLoader
 from poolloader import slot_format as fmt
 from poolloader.detection import DetectionCollate, PackedTargets, pack_targets
 from poolloader.pool import PAGE
-from poolloader.synthetic import CocoLikeDataset, FilledDetectionDataset, make_coco_like
+from fixtures.synthetic import CocoLikeDataset, FilledDetectionDataset, make_coco_like
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="pinning needs CUDA")
 _END = object()

@@ -20,8 +20,8 @@ import time
 import pytest
 import torch.distributed as dist
 
-from poolloader.shards import read_samples, shard_urls, write_shards
-from poolloader.synthetic import make_coco_like
+from fixtures.shards import read_samples, shard_urls, write_shards
+from fixtures.synthetic import make_coco_like
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RANK_SCRIPT = os.path.join(HERE, "_dist_rank.py")

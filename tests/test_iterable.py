@@ -1,7 +1,7 @@
 """IterableDataset parity with torch's DataLoader: the same dataset, the same seed, the
 same samples in the same order, bit for bit, through DataLoader and PoolLoader.
 
-Two kinds of stream over the same tar shards (poolloader.shards):
+Two kinds of stream over the same tar shards (fixtures.shards):
   * `ShardStream`, a plain IterableDataset splitting shards by get_worker_info()
     (no WebDataset needed), and
   * `webdataset.WebDataset(urls, ...)` pipelines: decode, map, `.batched(n)` with
@@ -22,8 +22,8 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from poolloader import DetectionCollate, PackedTargets, PoolLoader
-from poolloader.shards import DecodeSample, read_samples, shard_urls, write_shards
-from poolloader.synthetic import make_coco_like
+from fixtures.shards import DecodeSample, read_samples, shard_urls, write_shards
+from fixtures.synthetic import make_coco_like
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
@@ -109,7 +109,7 @@ def run_both(make_dataset, epochs=1, seed=0, pool_kw=None, **loader_kw):
 
 class ShardStream(IterableDataset):
     """Shards split over workers by get_worker_info() (shard i -> worker i % n), each
-    sample decoded with poolloader.shards.decode_sample (a random flip per sample)."""
+    sample decoded with fixtures.shards.decode_sample (a random flip per sample)."""
 
     def __init__(self, urls, decode, batch=None, collate=None):
         self.urls = list(urls)

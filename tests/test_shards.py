@@ -1,4 +1,4 @@
-"""poolloader.shards: the tar shard writer (layout, atomicity, name checks) and the
+"""fixtures.shards: the tar shard writer (layout, atomicity, name checks) and the
 decoding helper's bit-for-bit agreement with CocoLikeDataset."""
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import random
 import pytest
 import torch
 
-from poolloader import shards
-from poolloader.shards import (DecodeSample, decode_sample, read_index, read_samples,
-                               shard_urls, write_shards)
-from poolloader.synthetic import CocoLikeDataset, make_coco_like
+from fixtures import shards
+from fixtures.shards import (DecodeSample, decode_sample, read_index, read_samples,
+                            shard_urls, write_shards)
+from fixtures.synthetic import CocoLikeDataset, make_coco_like
 
 SHARD_BYTES = 30_720  # three tar records: ~2-4 small samples per shard
 

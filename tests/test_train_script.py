@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from poolloader.synthetic import make_coco_like
+from fixtures.synthetic import make_coco_like
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "train_detector.py")
