@@ -71,3 +71,16 @@ class PoolLoader(DataLoader[T_co]):
         from poolloader.iterator import PoolLoaderIter
         self.check_worker_number_rationality()
         return PoolLoaderIter(self)
+
+    # HF Accelerate reads this attribute of every loader given to Accelerator.prepare()
+    # and then rebuilds the loader as a plain DataLoader: say (once) that the pool is lost
+    # and how to keep it. poolloader.accelerate.prepare() keeps it and stays quiet.
+    @property
+    def _is_accelerate_prepared(self) -> bool:
+        from poolloader.accelerate import note_plain_prepare
+        note_plain_prepare(self)
+        return self.__dict__.get("_accelerate_prepared", False)
+
+    @_is_accelerate_prepared.setter
+    def _is_accelerate_prepared(self, value: bool) -> None:
+        self.__dict__["_accelerate_prepared"] = value

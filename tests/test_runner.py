@@ -1,4 +1,4 @@
-"""`python -m poolloader SCRIPT` (poolloader.runner, poolloader.adopt).
+"""`python -m poolloader SCRIPT` (poolloader.runner, poolloader.adopt) and poolloader.accelerate.
 
 Everything runs in real processes: the runner as a subprocess, with a stand-in library
 written into tmp_path that binds `DataLoader` at import the way RF-DETR's
@@ -6,17 +6,22 @@ rfdetr/training/module_data.py does. The same script runs under `--loader torch`
 unchanged) and under the runner; the batches must be identical and, under the runner,
 have gone through a pool (the loaders' own stats say so). Every run has a bounded
 timeout; afterwards no /dev/shm name of its processes and no process of it remains.
+
+The accelerate tests are skipped without accelerate: one in this process (CPU, one
+process), one `accelerate launch` of two gloo ranks.
 """
 from __future__ import annotations
 
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
 
 import pytest
+import torch
 from helpers import leftovers
 
 RUN_TIMEOUT_S = 120
@@ -262,3 +267,185 @@ def test_split_argv_leaves_the_script_its_arguments():
         ["--loader=torch"], None, "pkg.mod", ["a"])
     assert split_argv(["--no-summary", "--", "-odd-name.py", "b"]) == (
         ["--no-summary"], "-odd-name.py", None, ["b"])
+
+
+# -- HF Accelerate ----------------------------------------------------------------------
+
+class Regression(torch.utils.data.Dataset):
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, i):
+        x = torch.randn(4, generator=torch.Generator().manual_seed(100 + i))
+        return torch.tensor(i), x, x[:2].sum(0, keepdim=True)
+
+
+@pytest.fixture
+def accelerate_state():
+    pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState, GradientState
+
+    import poolloader.accelerate
+    warned = poolloader.accelerate._warned_plain_prepare
+    yield
+    poolloader.accelerate._warned_plain_prepare = warned
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def _train(loader_cls, prepare, epochs=2, **pool):
+    from accelerate import Accelerator
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    loader = loader_cls(Regression(), batch_size=4, shuffle=True, num_workers=2,
+                        generator=torch.Generator().manual_seed(3), **pool)
+    model, optimizer, loader = prepare(accelerator, model, optimizer, loader)
+    losses, seen = [], []
+    for _ in range(epochs):
+        for index, x, y in loader:
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+            seen += index.tolist()
+    return losses, seen, loader
+
+
+def test_accelerate_prepare_keeps_the_pool(accelerate_state):
+    import warnings
+
+    from accelerate import Accelerator
+    from accelerate.data_loader import DataLoaderShard
+    from torch.utils.data import DataLoader
+
+    import poolloader.accelerate
+    from poolloader import PoolLoader
+
+    expected, expected_seen, reference = _train(DataLoader, lambda acc, *o: acc.prepare(*o))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the helper keeps the pool: nothing to warn about
+        losses, seen, prepared = _train(PoolLoader, poolloader.accelerate.prepare,
+                                        slot_bytes=1 << 16, slots=5)
+    assert losses == expected and seen == expected_seen
+    assert type(prepared) is DataLoaderShard and isinstance(prepared, PoolLoader)
+    base = prepared.base_dataloader
+    assert type(base) is PoolLoader and base.slot_bytes == 1 << 16 and base.slots == 5
+    assert base.stats.batches == len(losses) == 20  # every batch came through the pool
+    assert base.stats.worker_batches == 20
+
+    # resuming mid-epoch: the next epoch, first 3 batches skipped, still through the pool
+    accelerator = Accelerator(cpu=True)
+    resumed = poolloader.accelerate.skip_first_batches(accelerator, prepared, 3)
+    assert type(resumed.base_dataloader) is PoolLoader
+    assert resumed.base_dataloader.slot_bytes == 1 << 16
+    expected_resumed = accelerator.skip_first_batches(reference, 3)
+    assert type(expected_resumed.base_dataloader) is DataLoader
+    assert [b[0].tolist() for b in resumed] == [b[0].tolist() for b in expected_resumed]
+    assert resumed.base_dataloader.stats.batches == 7
+
+
+def test_plain_accelerate_prepare_warns_once_that_the_pool_is_dropped(accelerate_state):
+    from torch.utils.data import DataLoader
+
+    import poolloader.accelerate
+    from poolloader import PoolLoader
+
+    poolloader.accelerate._warned_plain_prepare = False
+    with pytest.warns(UserWarning, match=r"poolloader\.accelerate\.prepare\(accelerator") as caught:
+        losses, _, prepared = _train(PoolLoader, lambda acc, *o: acc.prepare(*o), epochs=1)
+    assert [w.filename for w in caught if "slot pool" in str(w.message)] == [__file__]
+    assert type(prepared.base_dataloader) is DataLoader  # what accelerate does
+    assert len(losses) == 10
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _train(PoolLoader, lambda acc, *o: acc.prepare(*o), epochs=1)  # once only
+
+
+ACCELERATE_SCRIPT = '''
+import hashlib, json, os, sys, torch
+from torch.utils.data import DataLoader, TensorDataset
+from accelerate import Accelerator
+import poolloader.accelerate
+from poolloader import PoolLoader
+
+accelerator = Accelerator(cpu=True)
+x = torch.randn(48, 4, generator=torch.Generator().manual_seed(0))
+dataset = TensorDataset(torch.arange(48), x, x[:, :2].sum(1, keepdim=True))
+
+
+def train(loader, prepare):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, optimizer, loader = prepare(model, optimizer, loader)
+    losses, seen = [], []
+    for index, xb, yb in loader:
+        loss = torch.nn.functional.mse_loss(model(xb), yb)
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        seen += index.tolist()
+    base = loader.base_dataloader
+    return {"losses": losses, "seen": seen, "base": type(base).__name__,
+            "pool_batches": getattr(getattr(base, "stats", None), "batches", None),
+            "slot_bytes": getattr(base, "slot_bytes", None)}
+
+
+def loader(cls, workers, **pool):
+    return cls(dataset, batch_size=4, shuffle=True, num_workers=workers,
+               generator=torch.Generator().manual_seed(1), **pool)
+
+
+result = {
+    "rank": accelerator.process_index, "world": accelerator.num_processes, "pid": os.getpid(),
+    "backend": str(accelerator.state.backend),
+    # built by the script as a plain DataLoader: the runner makes accelerate's a PoolLoader
+    "runner": train(loader(DataLoader, 2), accelerator.prepare),
+    # an explicit PoolLoader through the helper keeps its own options
+    "helper": train(loader(PoolLoader, 2, slot_bytes=1 << 17),
+                    lambda *o: poolloader.accelerate.prepare(accelerator, *o)),
+    "reference": train(loader(DataLoader, 0), accelerator.prepare),  # stays a DataLoader
+}
+with open(f"{sys.argv[1]}.{accelerator.process_index}", "w") as f:
+    json.dump(result, f)
+'''
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_accelerate_launch_two_gloo_ranks_under_the_runner(tmp_path):
+    pytest.importorskip("accelerate")
+    script = tmp_path / "train_accelerate.py"
+    script.write_text(ACCELERATE_SCRIPT)
+    out = tmp_path / "rank"
+    # `--cpu` makes accelerate 1.15 start one process; --multi_gpu starts torchrun, and on a
+    # machine without CUDA the two ranks train on the CPU over gloo.
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
+           "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+           "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
+           "-m", "poolloader", str(script), str(out)]
+    rc, _stdout, stderr, pid = _run(cmd, cwd=tmp_path, timeout=180)
+    assert rc == 0, stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank.{r}").read_text()) for r in range(2)]
+    assert [r["rank"] for r in ranks] == [0, 1] and all(r["world"] == 2 for r in ranks)
+    assert all(r["backend"] == "gloo" for r in ranks)
+    for r in ranks:
+        assert r["runner"]["base"] == "PooledDataLoader"
+        assert r["helper"]["base"] == "PoolLoader" and r["helper"]["slot_bytes"] == 1 << 17
+        assert r["reference"]["base"] == "DataLoader"
+        for arm in ("runner", "helper"):  # same shard, same order, same training as DataLoader
+            assert r[arm]["seen"] == r["reference"]["seen"], arm
+            assert r[arm]["losses"] == r["reference"]["losses"], arm
+            assert r[arm]["pool_batches"] == len(r[arm]["losses"]) == 6, arm
+    assert sorted(ranks[0]["runner"]["seen"] + ranks[1]["runner"]["seen"]) == list(range(48))
+    assert stderr.count("built at accelerate/data_loader.py:") >= 2  # each rank's summary
+    _assert_nothing_left([pid] + [r["pid"] for r in ranks], str(tmp_path))
