@@ -1,7 +1,7 @@
 """PoolLoader: torch.utils.data.DataLoader with batches moved through a slot pool."""
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Callable, TypeVar
 
 from torch.utils.data import DataLoader
 
@@ -10,6 +10,10 @@ from poolloader.stats import LoaderStats
 T_co = TypeVar("T_co", covariant=True)
 
 DEFAULT_SLOT_BYTES = 1 << 20
+
+# Called with every PoolLoader once it is initialised. The runner (`python -m poolloader`)
+# adds one to list the loaders in its exit summary; empty otherwise.
+new_loader_observers: list[Callable[[PoolLoader], None]] = []
 
 
 class PoolLoader(DataLoader[T_co]):
@@ -72,6 +76,8 @@ class PoolLoader(DataLoader[T_co]):
         self.shm_limit = shm_limit
         self.device = device
         self.stats = LoaderStats()
+        for observe in new_loader_observers:
+            observe(self)
 
     def _get_iterator(self):
         if self.num_workers == 0:
@@ -79,3 +85,16 @@ class PoolLoader(DataLoader[T_co]):
         from poolloader.iterator import PoolLoaderIter
         self.check_worker_number_rationality()
         return PoolLoaderIter(self)
+
+    # HF Accelerate reads this attribute of every loader given to Accelerator.prepare()
+    # and then rebuilds the loader as a plain DataLoader: say (once) that the pool is lost
+    # and how to keep it. poolloader.accelerate.prepare() keeps it and stays quiet.
+    @property
+    def _is_accelerate_prepared(self) -> bool:
+        from poolloader.accelerate import note_plain_prepare
+        note_plain_prepare(self)
+        return self.__dict__.get("_accelerate_prepared", False)
+
+    @_is_accelerate_prepared.setter
+    def _is_accelerate_prepared(self, value: bool) -> None:
+        self.__dict__["_accelerate_prepared"] = value

@@ -29,6 +29,8 @@ class LoaderStats:
     cooling_waits    times next() had to wait for a cooling slot (the pool was at
                      max_slots); cooling_wait_s: seconds spent so. High: raise max_slots
     slot_count, slot_bytes, pool_bytes: the current pool (0 when none exists)
+    peak_slot_count, peak_pool_bytes: the largest pool any iterator had (pools only
+                     grow while they live), still there after the pool is gone
 
     Every counter accumulates over the loader's lifetime (a non-persistent loader
     makes a new pool each epoch; the pool's worker counters are added up when it
@@ -47,6 +49,7 @@ class LoaderStats:
         self.cooling_wait_s = 0.0
         self.learned_slot_bytes = 0
         self._closed_workers = [0, 0, 0]  # worker columns of pools already closed
+        self._closed_peak = (0, 0)  # (slots, bytes) of the largest pool already closed
         self._pool = None
 
     def _attach(self, pool) -> None:
@@ -58,6 +61,8 @@ class LoaderStats:
             for column in range(3):
                 self._closed_workers[column] += int(pool.control.worker_stats[:, column].sum())
         self.learned_slot_bytes = max(self.learned_slot_bytes, pool.target_bytes)
+        self._closed_peak = (max(self._closed_peak[0], pool.num_slots),
+                             max(self._closed_peak[1], pool.total_bytes))
         if self._pool is pool:
             self._pool = None
 
@@ -97,6 +102,14 @@ class LoaderStats:
         pool = self._live_pool()
         return 0 if pool is None else pool.total_bytes
 
+    @property
+    def peak_slot_count(self) -> int:
+        return max(self._closed_peak[0], self.slot_count)
+
+    @property
+    def peak_pool_bytes(self) -> int:
+        return max(self._closed_peak[1], self.pool_bytes)
+
     def as_dict(self) -> dict:
         return {
             "batches": self.batches, "main_wait_s": round(self.main_wait_s, 6),
@@ -109,6 +122,7 @@ class LoaderStats:
             "cooling_wait_s": round(self.cooling_wait_s, 6),
             "slot_count": self.slot_count, "slot_bytes": self.slot_bytes,
             "pool_bytes": self.pool_bytes,
+            "peak_slot_count": self.peak_slot_count, "peak_pool_bytes": self.peak_pool_bytes,
         }
 
     def __repr__(self) -> str:

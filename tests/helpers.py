@@ -10,6 +10,7 @@ conftest fixture fails any test that leaves the name behind.
 import contextlib
 import os
 import signal
+import time
 
 import posix_ipc
 
@@ -83,3 +84,26 @@ def running(process, join_timeout=10.0):
         if process.is_alive():
             os.kill(process.pid, signal.SIGKILL)
             process.join(5.0)
+
+
+def leftovers(pids, marker, settle_s=5.0):
+    """What processes `pids` (and their children) left behind, after up to `settle_s`:
+    (shm names carrying one of `pids`, pids of live processes whose command line holds
+    `marker`, e.g. a test's tmp folder, which forked workers inherit)."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        names = [n for n in os.listdir("/dev/shm")
+                 if any(f"-{pid}-" in n or f"_{pid}_" in n for pid in pids)]
+        procs = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) == os.getpid():
+                continue
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if marker.encode() in f.read():
+                        procs.append(int(entry))
+            except OSError:
+                continue
+        if not (names or procs) or time.monotonic() > deadline:
+            return names, procs
+        time.sleep(0.1)

@@ -10,9 +10,9 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
+from helpers import leftovers
 
 from fixtures.synthetic import make_coco_like
 
@@ -38,27 +38,6 @@ def _run(loader, data, out, extra=()):
     assert proc.returncode == 0, f"{loader} run failed ({proc.returncode}):\n{output[-3000:]}"
     with open(out) as f:
         return proc.pid, output, json.load(f)
-
-
-def _leftovers(pids, marker, settle_s=5.0):
-    """(shm names carrying one of `pids`, pids of processes whose cmdline has `marker`)."""
-    deadline = time.monotonic() + settle_s
-    while True:
-        names = [n for n in os.listdir("/dev/shm")
-                 if any(f"-{pid}-" in n or f"_{pid}_" in n for pid in pids)]
-        procs = []
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit() or int(entry) == os.getpid():
-                continue
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if marker.encode() in f.read():
-                        procs.append(int(entry))
-            except OSError:
-                continue
-        if not (names or procs) or time.monotonic() > deadline:
-            return names, procs
-        time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +77,6 @@ def test_report_has_the_numbers(runs):
 
 def test_nothing_left_behind(runs):
     data, results = runs
-    names, procs = _leftovers([pid for pid, _, _ in results.values()], str(data))
+    names, procs = leftovers([pid for pid, _, _ in results.values()], str(data))
     assert not names, f"shared-memory names left by the training runs: {names}"
     assert not procs, f"processes of the training runs still alive: {procs}"

@@ -1,0 +1,355 @@
+"""Build the DataLoaders a script constructs as PoolLoaders, without editing the script.
+
+One mechanism, shared by the runner (`python -m poolloader SCRIPT`, `poolloader.runner`)
+and `poolloader.accelerate`: `torch.utils.data.DataLoader.__new__` is set once per
+process to `_new` below, which does nothing until pooling is switched on (`enable`).
+From then on, `DataLoader(..., num_workers=N > 0)` returns a `PooledDataLoader` (a
+PoolLoader carrying the runner's pool options) and Python runs that class's `__init__`
+with the caller's arguments. Why this and not replacing the name:
+
+* `torch.utils.data.DataLoader` stays the class it was, so `isinstance(x, DataLoader)`
+  holds for every loader (plain ones included), pickling a plain loader still finds its
+  class by name, and it makes no difference when a library bound the name
+  (`from torch.utils.data import DataLoader` at import, as RF-DETR's module_data.py
+  does, before or after the runner started).
+* Only the class itself is adopted. A subclass (torchdata's `StatefulDataLoader`,
+  `torch_geometric.loader.DataLoader`, ultralytics' `InfiniteDataLoader`, your own) is
+  built as written: it may override `__iter__`, `_get_iterator` or use attribute names
+  PoolLoader also uses (`device`, `stats`), so pooling it could change what it does. The
+  summary lists such loaders as not pooled, with where they were built.
+* `num_workers=0` stays a plain DataLoader: there are no workers to pool.
+
+spawn and forkserver children: multiprocessing pickles a dict of preparation data
+(sys.path, argv, which main module to re-import) for every child, which the child
+unpickles before it re-imports the parent's main module. `enable` adds one entry whose
+unpickling calls `_enable_in_child` with the parent's options, so the patch is on before
+any of the child's own code runs, on any start method, with nothing on disk (no
+sitecustomize, no .pth) and nothing the script can see (`__main__`, `__spec__`,
+`sys.argv` are untouched). The forkserver's own environment is frozen when it starts,
+which is why an environment variable would not reach its later children. Fork children
+inherit the patch with the parent's memory. Processes started some other way
+(`subprocess`, torchrun, `accelerate launch`) need the runner in their command line.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import inspect
+import multiprocessing
+import multiprocessing.spawn
+import multiprocessing.util
+import os
+import sys
+import threading
+import time
+import types
+import typing
+import weakref
+from typing import ClassVar
+
+import torch.utils.data
+from torch.utils.data import DataLoader
+
+import poolloader.loader
+from poolloader.loader import PoolLoader
+
+_DATALOADER_PARAMS = inspect.signature(DataLoader.__init__)
+_POOLLOADER_PARAMS = inspect.signature(PoolLoader.__init__)
+
+
+def pool_option_names() -> tuple[str, ...]:
+    """PoolLoader's own keyword arguments (slot_bytes, slots, ...), read from its
+    signature so the runner passes whatever PoolLoader accepts, by name."""
+    return tuple(name for name, p in _POOLLOADER_PARAMS.parameters.items()
+                 if p.kind is p.KEYWORD_ONLY and name not in _DATALOADER_PARAMS.parameters)
+
+
+def pool_options_of(loader: PoolLoader) -> dict:
+    """The pool options `loader` was built with (its attributes of the same names)."""
+    return {name: getattr(loader, name) for name in pool_option_names() if hasattr(loader, name)}
+
+
+class PooledDataLoader(PoolLoader):
+    """A `DataLoader(...)` built while pooling was on: a PoolLoader with the runner's pool
+    options. It takes PoolLoader's arguments; a pool option given explicitly wins."""
+
+    options: ClassVar[dict] = {}
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **{**PooledDataLoader.options, **kwargs})
+
+
+# Frameworks that rebuild a loader from its __init__ signature (Lightning) see PoolLoader's.
+PooledDataLoader.__init__.__signature__ = _POOLLOADER_PARAMS  # type: ignore[attr-defined]
+
+
+class _Built:
+    """One DataLoader built in this process while pooling was on (for the summary)."""
+
+    def __init__(self, kind: str, name: str, where: str, num_workers, stats=None):
+        self.kind = kind  # "pool", "no workers", "subclass", "unsupported: <why>"
+        self.name = name
+        self.where = where
+        self.num_workers = num_workers
+        self.stats = stats  # LoaderStats outlives its loader: the summary reads it at exit
+        self.pid = os.getpid()
+        self.loader: weakref.ref | None = None
+
+
+class _State:
+    installed = False
+    options: dict | None = None  # None: pooling off
+    report = True  # children print a summary of the loaders they built
+    started = time.monotonic()
+    built: ClassVar[list[_Built]] = []
+    recorders: ClassVar[list[dict]] = []  # open `recording()` blocks
+    exit_hook_pid = 0
+    lock = threading.Lock()
+
+
+def enable(options: dict, report: bool = True) -> None:
+    """Pool every `DataLoader(...)` with workers built from now on in this process and in
+    its spawn/forkserver children, with `options` (PoolLoader keyword arguments).
+    `report`: children that build loaders print a summary when they exit."""
+    unknown = set(options) - set(pool_option_names())
+    if unknown:
+        raise ValueError(f"unknown pool option(s) {sorted(unknown)}; "
+                         f"PoolLoader takes {list(pool_option_names())}")
+    _install()
+    PooledDataLoader.options = dict(options)
+    _State.options = dict(options)
+    _State.report = report
+    _State.started = time.monotonic()
+    if _observe not in poolloader.loader.new_loader_observers:
+        poolloader.loader.new_loader_observers.append(_observe)
+    if multiprocessing.spawn.get_preparation_data is not _preparation_data:
+        _preparation_data.original = multiprocessing.spawn.get_preparation_data  # type: ignore[attr-defined]
+        multiprocessing.spawn.get_preparation_data = _preparation_data
+
+
+def disable() -> None:
+    """Stop pooling in this process (what `enable` started; the `__new__` hook stays,
+    doing nothing). Loaders already built are unchanged."""
+    _State.options = None
+    PooledDataLoader.options = {}
+    if _observe in poolloader.loader.new_loader_observers:
+        poolloader.loader.new_loader_observers.remove(_observe)
+    if multiprocessing.spawn.get_preparation_data is _preparation_data:
+        multiprocessing.spawn.get_preparation_data = _preparation_data.original  # type: ignore[attr-defined]
+
+
+def enabled() -> bool:
+    return _State.options is not None
+
+
+@contextlib.contextmanager
+def recording():
+    """Within the block, every `DataLoader` (or subclass) construction in this process is
+    recorded: yields a dict {id(loader): (args, kwargs)} of the exact call, so a caller
+    can rebuild a loader someone else built (poolloader.accelerate does)."""
+    _install()
+    calls: dict = {}
+    _State.recorders.append(calls)
+    try:
+        yield calls
+    finally:
+        _State.recorders.remove(calls)
+
+
+def forget(loader) -> None:
+    """Drop `loader` from the summary (a loader replaced before it was ever used)."""
+    _State.built = [b for b in _State.built if b.loader is None or b.loader() is not loader]
+
+
+# -- the hook ---------------------------------------------------------------------------
+
+def _install() -> None:
+    # Once per process, never undone: a class whose __new__ was assigned cannot get
+    # object.__new__'s argument handling back, so _new stays and passes through.
+    with _State.lock:
+        if not _State.installed:
+            DataLoader.__new__ = staticmethod(_new)  # type: ignore[assignment]
+            _State.installed = True
+
+
+def _new(cls, *args, **kwargs):
+    if not args and not kwargs:  # copy/pickle re-creating an object: not a construction
+        return object.__new__(cls)
+    target = cls
+    if _State.options is not None and cls is DataLoader:
+        target, kind = _choose(args, kwargs)
+        if target is DataLoader:
+            _track(_Built(kind, "DataLoader", _where(), _num_workers(args, kwargs)))
+    elif _State.options is not None and not issubclass(cls, PoolLoader):
+        _track(_Built("subclass", cls.__qualname__, _where(), _num_workers(args, kwargs)))
+    obj = object.__new__(target)
+    for calls in _State.recorders:
+        calls[id(obj)] = (args, kwargs)
+    return obj
+
+
+def _choose(args, kwargs):
+    """(class to build, why not pooled) for a `DataLoader(*args, **kwargs)` call."""
+    try:
+        bound = _DATALOADER_PARAMS.bind(None, *args, **kwargs).arguments
+    except TypeError:
+        return DataLoader, "unsupported: arguments DataLoader rejects"  # its __init__ says why
+    workers = bound.get("num_workers", 0)
+    if not isinstance(workers, int) or workers <= 0:
+        return DataLoader, "no workers"
+    foreign = [name for name in bound if name not in _POOLLOADER_PARAMS.parameters]
+    if foreign:
+        return DataLoader, f"unsupported: PoolLoader has no argument {foreign}"
+    return PooledDataLoader, "pool"
+
+
+def _num_workers(args, kwargs):
+    try:
+        return _DATALOADER_PARAMS.bind(None, *args, **kwargs).arguments.get("num_workers", 0)
+    except TypeError:
+        return None
+
+
+def _observe(loader: PoolLoader) -> None:
+    """Every PoolLoader (built by the hook or by the script itself), once initialised."""
+    kind = "pool" if loader.num_workers > 0 else "no workers"
+    built = _Built(kind, type(loader).__qualname__, _where(), loader.num_workers, loader.stats)
+    built.loader = weakref.ref(loader)
+    _track(built)
+
+
+def _track(built: _Built) -> None:
+    _State.built.append(built)
+    if _State.report and _State.exit_hook_pid != os.getpid():
+        # A process other than the runner's main one (a spawn child, a forked DDP rank)
+        # reports the loaders it built when it exits. multiprocessing children leave
+        # through os._exit (no atexit) after running multiprocessing's finalizers.
+        _State.exit_hook_pid = os.getpid()
+        if multiprocessing.parent_process() is not None:
+            multiprocessing.util.Finalize(None, print_summary, exitpriority=0)
+        else:
+            atexit.register(print_summary)
+
+
+def print_summary_at_exit() -> None:
+    """Print `summary()` on stderr when this process exits, even if it built no loader
+    (the runner's main process)."""
+    _State.exit_hook_pid = os.getpid()
+    atexit.register(print_summary)
+
+
+def print_summary(file=None) -> None:
+    """Print `summary()` (on stderr by default); what SIGUSR1 does under the runner."""
+    print(summary(), file=sys.stderr if file is None else file, flush=True)
+
+
+# -- where a loader was built -----------------------------------------------------------
+
+_SKIP_DIRS = tuple(os.path.dirname(str(m.__file__)) + os.sep
+                   for m in (torch.utils.data, poolloader.loader)) + (typing.__file__,)
+
+
+def _where() -> str:
+    """`file:line` of the code that built the loader (innermost frame outside torch's data
+    package and poolloader), plus `via script:line` when the script's own line is further out."""
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_SKIP_DIRS):
+        frame = frame.f_back
+    if frame is None:
+        return "?"
+    where = f"{_short(frame.f_code.co_filename)}:{frame.f_lineno}"
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    outer: types.FrameType | None = frame
+    while outer is not None and main_file and outer.f_code.co_filename != main_file:
+        outer = outer.f_back
+    if outer is not None and outer is not frame and main_file:
+        where += f" via {_short(main_file)}:{outer.f_lineno}"
+    return where
+
+
+def _short(path: str) -> str:
+    """`path` relative to the sys.path entry (site-packages) or the cwd that holds it."""
+    best = ""
+    for root in [os.getcwd()] + [p for p in sys.path if p]:
+        root = os.path.join(os.path.abspath(root), "")
+        if path.startswith(root) and len(root) > len(best):
+            best = root
+    return path[len(best):] if best else path
+
+
+# -- the summary ------------------------------------------------------------------------
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.1f} MiB"
+
+
+def _plural(n: int, word: str, words: str = "") -> str:
+    return f"{n} {word if n == 1 else words or word + 's'}"
+
+
+def summary() -> str:
+    """A short report of the loaders built in this process while pooling was on:
+    per pooled loader, batches, how long next() waited (share of the run so far),
+    worker busy/idle, pool size and growths; then the loaders left as DataLoader."""
+    pid = os.getpid()
+    elapsed = time.monotonic() - _State.started
+    mine = [b for b in _State.built if b.pid == pid]
+    pooled = [b for b in mine if b.kind == "pool"]
+    other = [b for b in mine if b.kind != "pool"]
+    process = multiprocessing.current_process().name
+    if os.environ.get("RANK") is not None:  # torchrun / accelerate launch
+        process += f", rank {os.environ['RANK']}"
+    head = (f"poolloader: {_plural(len(pooled), 'loader')} with a slot pool, "
+            f"{elapsed:.1f} s run (pid {pid}, {process})")
+    lines = [head]
+    if not mine:
+        lines.append("  no DataLoader was built")
+    for i, b in enumerate(pooled, 1):
+        s = b.stats
+        lines.append(f"  #{i} {b.name}, {_plural(b.num_workers, 'worker')}, built at {b.where}")
+        if s.batches == 0 and s.worker_batches == 0:
+            lines.append("     never iterated")
+            continue
+        work = s.worker_busy_s + s.worker_idle_s
+        busy = f" ({100 * s.worker_busy_s / work:.0f}% busy)" if work > 0 else ""
+        lines.append(
+            f"     {_plural(s.batches, 'batch', 'batches')}; next() waited "
+            f"{s.main_wait_s:.2f} s ({100 * s.main_wait_s / max(elapsed, 1e-9):.1f}% of the run); "
+            f"workers busy {s.worker_busy_s:.2f} s, idle {s.worker_idle_s:.2f} s{busy}")
+        lines.append(
+            f"     pool {_plural(s.peak_slot_count, 'slot')}, {_mib(s.peak_pool_bytes)} at most "
+            f"(slots of {_mib(max(s.learned_slot_bytes, s.slot_bytes))}); "
+            f"{_plural(s.slot_growths, 'slot growth')}, {_plural(s.pool_growths, 'pool growth')}, "
+            f"{_plural(s.detaches, 'held batch')} detached")
+    if other:
+        lines.append("  left as DataLoader:")
+        for b in other:
+            why = {"no workers": "num_workers=0",
+                   "subclass": "a DataLoader subclass, built as written"}.get(b.kind, b.kind)
+            lines.append(f"     {b.name} ({why}) built at {b.where}")
+    return "\n".join(lines)
+
+
+# -- spawn / forkserver children --------------------------------------------------------
+
+class _ChildSetup:
+    """Travels in multiprocessing's preparation data; unpickling it in the child turns
+    pooling on there before the child re-imports the main module."""
+
+    def __init__(self, options: dict, report: bool):
+        self.options = options
+        self.report = report
+
+    def __reduce__(self):
+        return _enable_in_child, (self.options, self.report)
+
+
+def _enable_in_child(options: dict, report: bool) -> None:
+    enable(options, report)
+
+
+def _preparation_data(name):
+    data = _preparation_data.original(name)  # type: ignore[attr-defined]
+    if _State.options is not None:
+        data["poolloader"] = _ChildSetup(dict(_State.options), _State.report)  # prepare() ignores unknown keys
+    return data
