@@ -320,7 +320,7 @@ def summary() -> str:
             f"     pool {_plural(s.peak_slot_count, 'slot')}, {_mib(s.peak_pool_bytes)} at most "
             f"(slots of {_mib(max(s.learned_slot_bytes, s.slot_bytes))}); "
             f"{_plural(s.slot_growths, 'slot growth')}, {_plural(s.pool_growths, 'pool growth')}, "
-            f"{_plural(s.detaches, 'held batch')} detached")
+            f"{s.detaches} held batches detached")
     if other:
         lines.append("  left as DataLoader:")
         for b in other:
