@@ -25,6 +25,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter, _MultiProcessingDat
 from poolloader import cuda
 from poolloader import slot_format as fmt
 from poolloader import supervise
+from poolloader.cuda_runtime import TorchCuda
 from poolloader.errors import SlotCorrupt, WorkerDied
 from poolloader.ledger import SlotLedger, default_slots, slot_capacity
 from poolloader.pool import SlotPool
@@ -57,7 +58,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         self._gate = self._stager = None
         self._gate, self._stager = cuda.setup(loader, self._pin_memory,
                                               getattr(self, "_pin_memory_device", None))
-        self._pin_small = self._gate is not None and isinstance(self._gate._rt, cuda.TorchCuda)
+        self._pin_small = self._gate is not None and isinstance(self._gate._rt, TorchCuda)
         n = self._num_workers
         slots = loader.slots if loader.slots is not None else default_slots(n, self._prefetch_factor)
         capacity = slot_capacity(slots, n, self._prefetch_factor, loader.max_slots)
