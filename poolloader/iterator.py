@@ -170,7 +170,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                     auto_collation=self._auto_collation, collate_fn=self._collate_fn,
                     drop_last=self._drop_last, base_seed=self._base_seed,
                     init_fn=loader.worker_init_fn, worker_id=i, num_workers=n,
-                    prefix=self._pool.prefix, main_pid=os.getpid())
+                    prefix=self._pool.prefix)
                 w = ctx.Process(target=worker_loop, args=(cfg,), daemon=True)
                 w.start()
                 self._workers.append(w)
