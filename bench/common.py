@@ -442,14 +442,16 @@ def shutdown_iterator(it) -> None:
 
 
 def our_shm_names() -> list[str]:
-    """Names in /dev/shm that carry this process's pid (poolloader's `pl-<pid>-`,
+    """Names in /dev/shm that carry this process's pid (poolloader's `pl2-<pid>-`,
     torch's `torch_<pid>_`)."""
+    from poolloader.pool import NAME_TAG
+
     pid = os.getpid()
     try:
         names = os.listdir(SHM_DIR)
     except FileNotFoundError:
         return []
-    return sorted(n for n in names if n.startswith((f"pl-{pid}-", f"torch_{pid}_")))
+    return sorted(n for n in names if n.startswith((f"{NAME_TAG}-{pid}-", f"torch_{pid}_")))
 
 
 def wait_clean(timeout: float = 10.0) -> list[str]:

@@ -74,7 +74,7 @@ Method, per cell (workers x row x arm), per repetition:
   repetition between arms measured side by side, then summarised the same way.
   On a shared 2-core machine absolute times are noise; the ratios are the figures.
   At the end the run checks that no child process and no /dev/shm name of its
-  own (pl-<this pid>-*, torch_<worker pid>_*) is left, and exits 1 if one is.
+  own (pl2-<this pid>-*, torch_<worker pid>_*) is left, and exits 1 if one is.
 
 A cell that fails is reported as FAILED with its error and the run goes on.
 Loaders get `timeout=--timeout` (60 s): DataLoader's worker-side failure at a
@@ -120,6 +120,7 @@ import torch.multiprocessing as torch_mp
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from poolloader import PoolLoader, slot_empty
+from poolloader.pool import NAME_TAG
 
 try:
     from poolloader.detection import pack_targets as _pool_pack_targets
@@ -402,13 +403,13 @@ def shm_names() -> set:
 
 
 # pids of every worker this run started: /dev/shm names are ours when they carry
-# our pid (PoolLoader: "pl-<main pid>-...") or a worker's (torch: "torch_<pid>_...").
+# our pid (PoolLoader: "pl2-<main pid>-...") or a worker's (torch: "torch_<pid>_...").
 # Other processes on the machine may create and remove names meanwhile.
 OUR_PIDS = {os.getpid()}
 
 
 def ours(name: str) -> bool:
-    for prefix, sep in (("pl-", "-"), ("torch_", "_")):
+    for prefix, sep in ((NAME_TAG + "-", "-"), ("torch_", "_")):
         if name.startswith(prefix):
             head = name[len(prefix):].split(sep, 1)[0]
             return head.isdigit() and int(head) in OUR_PIDS

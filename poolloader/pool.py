@@ -8,9 +8,12 @@ worker has mapped them (acks in the control block). Growth replaces a slot's
 segment with a new generation, never resizes a mapping in place (a CUDA host
 registration would not follow it).
 
-Names: /pl-<owner pid>-<token>-ctl for the control block and
-/pl-<owner pid>-<token>-s<slot>-g<generation> for slots. The pid is only a hint
-for people reading /dev/shm: nothing here decides anything by it.
+Names: /pl2-<owner pid>-<token>-ctl for the control block and
+/pl2-<owner pid>-<token>-s<slot>-g<generation> for slots. The pid is only a hint
+for people reading /dev/shm: nothing here decides anything by it. "pl2" marks
+pools that hold an owner lock (below); the "pl-" names of an older poolloader,
+whose sweep judges by pid, are neither judged here nor matched by its sweep, so
+two versions sharing a host leave each other alone.
 
 Ownership across jobs. /dev/shm is shared by every process on the host and often
 by several containers (docker --ipc=host, a pod's memory volume), each with its
@@ -77,7 +80,8 @@ from poolloader.errors import ControlCorrupt, ShmSpaceError
 PAGE = os.sysconf("SC_PAGE_SIZE")
 SHM_DIR = "/dev/shm"
 SHM_LIMIT_ENV = "POOLLOADER_SHM_LIMIT"
-_POOL_RE = re.compile(r"^(pl-\d+-[0-9a-f]+)-")  # group 1: a pool's prefix, without "/"
+NAME_TAG = "pl2"  # first part of every name (module docstring)
+_POOL_RE = re.compile(rf"^({NAME_TAG}-\d+-[0-9a-f]+)-")  # group 1: a pool's prefix, without "/"
 # How many fresh tokens a new pool tries when a sweeper races its control segment.
 _CLAIM_TRIES = 8
 
@@ -365,7 +369,7 @@ class SlotPool:
     def _claim_control(self, nbytes: int) -> None:
         """Create the control segment under a fresh prefix and hold its owner lock."""
         for _ in range(_CLAIM_TRIES):
-            prefix = f"/pl-{self._owner_pid}-{secrets.token_hex(8)}"
+            prefix = f"/{NAME_TAG}-{self._owner_pid}-{secrets.token_hex(8)}"
             name = control_name(prefix)
             try:
                 mapping, fd = _create(name, nbytes, "the control block", 0, self.shm_limit,

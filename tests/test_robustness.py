@@ -26,7 +26,7 @@ import loader_datasets as ds
 import robustness_datasets as rds
 from poolloader import PoolLoader, SlotCorrupt, WorkerDied
 from poolloader import slot_format as fmt
-from poolloader.pool import create_segment, unlink_quietly
+from poolloader.pool import NAME_TAG, create_segment, unlink_quietly
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHILDREN = os.path.join(HERE, "_robustness_children.py")
@@ -457,7 +457,7 @@ def test_descriptor_limit_64_with_32_workers():
 def process_figures():
     rss = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     fds = len(os.listdir("/proc/self/fd")) - 1
-    names = len([n for n in os.listdir(SHM) if n.startswith(f"pl-{os.getpid()}-")])
+    names = len([n for n in os.listdir(SHM) if n.startswith(f"{NAME_TAG}-{os.getpid()}-")])
     return rss, fds, names
 
 
