@@ -99,7 +99,7 @@ cdef class Ring(_Shared):
     """
     cdef readonly uint64_t capacity
     cdef readonly str label
-    cdef object _broken  # the ControlCorrupt raised once, raised again by every call
+    cdef object _broken  # the message of the ControlCorrupt raised once, raised by every later call
 
     def __cinit__(self, buffer, Py_ssize_t offset=0, capacity=None, *, str label="ring"):
         cdef int rc
@@ -134,7 +134,7 @@ cdef class Ring(_Shared):
     def __len__(self):
         """Values currently queued (exact from either side when the other is idle)."""
         if self._broken is not None:
-            raise self._broken
+            raise ControlCorrupt(self._broken)
         cdef uint64_t n = pl_ring_len(self._ptr, self.capacity)
         if n == UINT64_MAX:
             self._corrupt("len")
@@ -151,7 +151,7 @@ cdef class Ring(_Shared):
     def try_push(self, int64_t value):
         """Push without waiting; False when full. Producer side only."""
         if self._broken is not None:
-            raise self._broken
+            raise ControlCorrupt(self._broken)
         cdef int rc = pl_ring_push(self._ptr, self.capacity, value, -1.0)
         if rc == PL_OK:
             return True
@@ -160,7 +160,7 @@ cdef class Ring(_Shared):
     def try_pop(self):
         """Pop without waiting; None when empty. Consumer side only."""
         if self._broken is not None:
-            raise self._broken
+            raise ControlCorrupt(self._broken)
         cdef int64_t value = 0
         cdef int rc = pl_ring_pop(self._ptr, self.capacity, &value, -1.0)
         if rc == PL_OK:
@@ -186,7 +186,7 @@ cdef class Ring(_Shared):
         cdef uint64_t capacity = self.capacity
         cdef double deadline = 0.0
         if self._broken is not None:
-            raise self._broken
+            raise ControlCorrupt(self._broken)
         if timeout is not None:
             if timeout < 0:
                 raise ValueError(f"timeout must be >= 0 or None, got {timeout}")
@@ -227,7 +227,7 @@ cdef class Ring(_Shared):
         cdef uint64_t tail = pl_ring_tail(self._ptr)
         cdef uint64_t recorded = pl_ring_recorded_capacity(self._ptr)
         cdef uint64_t magic = (<uint64_t *>self._ptr)[0]
-        self._broken = ControlCorrupt(
+        self._broken = (
             f"{self.label} {what}: its shared fields were overwritten (head {head}, tail "
             f"{tail}: {tail - head if tail >= head else -<object>(head - tail)} apart, must be "
             f"within 0..{self.capacity}; capacity field {recorded}, attached with "
@@ -235,7 +235,7 @@ cdef class Ring(_Shared):
             "Some process that maps the pool's control block wrote over it (a stray write "
             "in dataset, collate or extension code running in a worker); nothing was read "
             "or written outside the ring.")
-        raise self._broken
+        raise ControlCorrupt(self._broken)
 
 
 cdef class Doorbell(_Shared):

@@ -181,9 +181,10 @@ def _kill_group(child) -> None:
 
 def test_a_dead_jobs_names_are_swept_and_a_live_jobs_are_not():
     """Job A is SIGKILLed together with its workers, so nobody removes its names. Job B is
-    alive. A new pool's sweep removes exactly A's names; B keeps running on its own."""
+    alive. A new pool's sweep removes exactly A's names; B keeps running on its own, and
+    when B's main is killed later its workers remove B's names."""
     a, a_prefix, *_ = _start_main("fork", hold=False)
-    b, b_prefix, *_ = _start_main("fork", hold=False)
+    b, b_prefix, b_main, _, b_workers = _start_main("fork", hold=False)
     try:
         _kill_group(a)
         assert names_with(a_prefix), "expected the killed job's control name to stay"
@@ -199,11 +200,12 @@ def test_a_dead_jobs_names_are_swept_and_a_live_jobs_are_not():
         finally:
             pool.close()
         assert b.poll() is None, "the live job died"
+        os.kill(b_main, signal.SIGKILL)
+        assert wait_until(lambda: not names_with(b_prefix), 5.0), names_with(b_prefix)
+        assert wait_until(lambda: not any(running(w) for w in b_workers), 5.0)
     finally:
         _kill_group(a)
         _kill_group(b)
-        for prefix in (a_prefix, b_prefix):  # B's workers remove B's names once B is gone
-            assert wait_until(lambda p=prefix: not names_with(p), 5.0), names_with(prefix)
 
 
 def test_pools_of_one_process_do_not_sweep_each_other():
