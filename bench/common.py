@@ -585,7 +585,7 @@ def shm_mapped_bytes(pid: int | str = "self") -> int:
 
 
 # pids of this run and of every worker it started: /dev/shm names are ours when
-# they carry one (PoolLoader: "pl-<main pid>-...", torch: "torch_<creator pid>_...").
+# they carry one (PoolLoader: "pl2-<main pid>-...", torch: "torch_<creator pid>_...").
 # Other processes on the machine may create and remove names meanwhile.
 OUR_PIDS = {os.getpid()}
 
@@ -607,11 +607,13 @@ def shm_names() -> set[str]:
 
 def names_of(pids, names=None) -> list[str]:
     """The /dev/shm names (of `names`, default all) that carry one of `pids`
-    (as `pl-<pid>-` or `torch_<pid>_`)."""
+    (as `pl2-<pid>-` or `torch_<pid>_`)."""
+    from poolloader.pool import NAME_TAG
+
     pids = set(pids)
     out = []
     for name in shm_names() if names is None else names:
-        for prefix, sep in (("pl-", "-"), ("torch_", "_")):
+        for prefix, sep in ((f"{NAME_TAG}-", "-"), ("torch_", "_")):
             if name.startswith(prefix):
                 head = name[len(prefix):].split(sep, 1)[0]
                 if head.isdigit() and int(head) in pids:

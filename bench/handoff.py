@@ -75,7 +75,7 @@ Method, per cell (workers x row x arm), per repetition:
   img/s) are computed per repetition between arms measured side by side, then
   summarised the same way. On a shared 2-core machine absolute times are noise;
   the ratios are the figures. At the end the run checks that no child process
-  and no /dev/shm name of its own (pl-<this pid>-*, torch_<worker pid>_*) is
+  and no /dev/shm name of its own (pl2-<this pid>-*, torch_<worker pid>_*) is
   left, and exits 1 if one is.
 
 A cell that fails is reported as FAILED with its error and the run goes on.

@@ -21,6 +21,19 @@
  * The two semaphores are unnamed and live inside the buffer, so there is no
  * kernel object to leak. sem_post/sem_wait are full barriers; head and tail are
  * atomics with acquire/release so a racy len() from either side is still sane.
+ *
+ * Untrusted bytes: any process that maps the buffer can write any of it (a stray
+ * pointer in user code run by a worker). So after initialisation nothing here
+ * reads a layout value from the buffer: every operation takes the capacity from
+ * the caller's process-local copy (the creator's argument, or the value the
+ * attaching side validated once against its buffer's size), and every cell index
+ * is a counter modulo that copy, so no write or read can leave the cells. Each
+ * put and take also checks what it reads: the magic and capacity fields must still
+ * hold what was initialised (they share line 0 with `closed`, which every call
+ * reads anyway), and with a token of `spaces` held 0 <= tail - head < capacity,
+ * with a token of `items` 0 < tail - head <= capacity. Anything else is PL_CORRUPT
+ * (nothing moved), never a division by zero or a write past the ring. (A corrupt semaphore can only wake a waiter early or late: every wait
+ * is bounded and every take re-checks the counters.)
  */
 #ifndef POOLLOADER_RING_H
 #define POOLLOADER_RING_H
@@ -37,7 +50,7 @@
 #define PL_LINE 64
 #define PL_RING_HEADER_BYTES (5 * PL_LINE)
 
-enum { PL_OK = 0, PL_EMPTY = 1, PL_FULL = 1, PL_TIMEOUT = 2, PL_CLOSED = 3, PL_INTR = 4 };
+enum { PL_OK = 0, PL_EMPTY = 1, PL_FULL = 1, PL_TIMEOUT = 2, PL_CLOSED = 3, PL_INTR = 4, PL_CORRUPT = 5 };
 
 typedef struct {
     uint64_t magic;
@@ -73,9 +86,32 @@ static inline int pl_ring_init(void *b, uint64_t capacity) {
     return 0;
 }
 
-static inline int pl_ring_is_valid(void *b) {
+/* Largest capacity whose cells fit `nbytes` bytes of buffer (0: not even the header). */
+static inline uint64_t pl_ring_max_capacity(uint64_t nbytes) {
+    if (nbytes < PL_RING_HEADER_BYTES) return 0;
+    uint64_t cells = (nbytes - PL_RING_HEADER_BYTES) / sizeof(int64_t);
+    return cells < (uint64_t)SEM_VALUE_MAX ? cells : (uint64_t)SEM_VALUE_MAX;
+}
+
+/* For the attaching side, once: the capacity an initialised ring records, or 0 when
+ * the magic is missing or the capacity is 0 or larger than `nbytes` of buffer can hold.
+ * The caller keeps the returned value and passes it to every later call. */
+static inline uint64_t pl_ring_attach(void *b, uint64_t nbytes) {
     atomic_thread_fence(memory_order_acquire);
-    return pl_meta(b)->magic == PL_RING_MAGIC && pl_meta(b)->capacity >= 1;
+    if (nbytes < PL_RING_HEADER_BYTES || pl_meta(b)->magic != PL_RING_MAGIC) return 0;
+    uint64_t capacity = pl_meta(b)->capacity;
+    return capacity >= 1 && capacity <= pl_ring_max_capacity(nbytes) ? capacity : 0;
+}
+
+/* The shared capacity field, for error messages only. */
+static inline uint64_t pl_ring_recorded_capacity(void *b) {
+    return __atomic_load_n(&pl_meta(b)->capacity, __ATOMIC_RELAXED);
+}
+
+/* 1 while line 0 still holds what init wrote for a ring of `capacity` cells. */
+static inline int pl_ring_meta_intact(void *b, uint64_t capacity) {
+    return __atomic_load_n(&pl_meta(b)->capacity, __ATOMIC_RELAXED) == capacity
+        && __atomic_load_n(&pl_meta(b)->magic, __ATOMIC_RELAXED) == PL_RING_MAGIC;
 }
 
 static inline int pl_ring_closed(void *b) {
@@ -89,27 +125,40 @@ static inline void pl_ring_close(void *b) {
     sem_post(pl_spaces(b));
 }
 
-static inline uint64_t pl_ring_len(void *b) {
+static inline uint64_t pl_ring_head(void *b) { return atomic_load_explicit(pl_head(b), memory_order_acquire); }
+static inline uint64_t pl_ring_tail(void *b) { return atomic_load_explicit(pl_tail(b), memory_order_acquire); }
+
+/* Values queued, or UINT64_MAX when the counters are further apart than `capacity`
+ * (corrupt). Read tail first: head only grows, so from any process a sane ring gives
+ * tail - head <= capacity (or head just past tail, reported as 0). */
+static inline uint64_t pl_ring_len(void *b, uint64_t capacity) {
     uint64_t tail = atomic_load_explicit(pl_tail(b), memory_order_acquire);
     uint64_t head = atomic_load_explicit(pl_head(b), memory_order_acquire);
-    return tail >= head ? tail - head : 0;
+    if (tail < head) return 0;
+    return tail - head <= capacity ? tail - head : UINT64_MAX;
 }
 
-/* Producer side, after a token of `spaces` is held. */
-static inline void pl_ring_put(void *b, int64_t value) {
+/* Producer side, after a token of `spaces` is held: PL_OK, or PL_CORRUPT (nothing written). */
+static inline int pl_ring_put(void *b, uint64_t capacity, int64_t value) {
     uint64_t tail = atomic_load_explicit(pl_tail(b), memory_order_relaxed);
-    pl_cells(b)[tail % pl_meta(b)->capacity] = value;
+    uint64_t head = atomic_load_explicit(pl_head(b), memory_order_acquire);
+    /* head > tail wraps to a huge difference, caught by the same test */
+    if (tail - head >= capacity || !pl_ring_meta_intact(b, capacity)) return PL_CORRUPT;
+    pl_cells(b)[tail % capacity] = value;
     atomic_store_explicit(pl_tail(b), tail + 1, memory_order_release);
     sem_post(pl_items(b));
+    return PL_OK;
 }
 
-/* Consumer side, after a token of `items` is held. */
-static inline int64_t pl_ring_take(void *b) {
+/* Consumer side, after a token of `items` is held: PL_OK, or PL_CORRUPT (nothing read). */
+static inline int pl_ring_take(void *b, uint64_t capacity, int64_t *value) {
     uint64_t head = atomic_load_explicit(pl_head(b), memory_order_relaxed);
-    int64_t value = pl_cells(b)[head % pl_meta(b)->capacity];
+    uint64_t tail = atomic_load_explicit(pl_tail(b), memory_order_acquire);
+    if (tail - head - 1 >= capacity || !pl_ring_meta_intact(b, capacity)) return PL_CORRUPT;
+    *value = pl_cells(b)[head % capacity];
     atomic_store_explicit(pl_head(b), head + 1, memory_order_release);
     sem_post(pl_spaces(b));
-    return value;
+    return PL_OK;
 }
 
 /* Longest busy-wait before a blocking wait, in nanoseconds. */
@@ -173,15 +222,16 @@ taken:
     return PL_OK;
 }
 
-static inline int pl_ring_push(void *b, int64_t value, double seconds) {
+/* `capacity`: the caller's process-local copy (see the top of this file). */
+static inline int pl_ring_push(void *b, uint64_t capacity, int64_t value, double seconds) {
     int rc = pl_sem_take(b, pl_spaces(b), seconds);
-    if (rc == PL_OK) pl_ring_put(b, value);
+    if (rc == PL_OK) rc = pl_ring_put(b, capacity, value);
     return rc;
 }
 
-static inline int pl_ring_pop(void *b, int64_t *value, double seconds) {
+static inline int pl_ring_pop(void *b, uint64_t capacity, int64_t *value, double seconds) {
     int rc = pl_sem_take(b, pl_items(b), seconds);
-    if (rc == PL_OK) *value = pl_ring_take(b);
+    if (rc == PL_OK) rc = pl_ring_take(b, capacity, value);
     return rc;
 }
 

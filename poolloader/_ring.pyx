@@ -5,6 +5,13 @@ The C header owns the byte layout (see its comment). Both classes take any
 writable buffer (a poolloader mapping, an mmap) plus a 64-byte-aligned offset, and
 keep the buffer exported for their whole life, so the memory cannot be unmapped
 under them.
+
+Every process that maps the buffer can write all of it, so a Ring trusts nothing it
+reads there after attaching: the capacity is a copy held in the object (the
+creator's argument, or the recorded value checked once against the buffer's size),
+and a changed capacity or magic field, or counters out of step, raise ControlCorrupt
+instead of reading or writing outside the ring. After that error the ring stays broken in this process: every
+later call raises it again.
 """
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_WRITABLE, PyBUF_SIMPLE
 from cpython.exc cimport PyErr_CheckSignals
@@ -12,20 +19,25 @@ from libc.stdint cimport int64_t, uint64_t, uint8_t
 
 import time
 
-from poolloader.errors import RingClosed, RingTimeout
+from poolloader.errors import ControlCorrupt, RingClosed, RingTimeout
 
 cdef extern from "ring.h" nogil:
-    int PL_OK, PL_EMPTY, PL_FULL, PL_TIMEOUT, PL_CLOSED, PL_INTR
+    int PL_OK, PL_EMPTY, PL_FULL, PL_TIMEOUT, PL_CLOSED, PL_INTR, PL_CORRUPT
     uint64_t PL_RING_HEADER_BYTES_ "PL_RING_HEADER_BYTES"
     uint64_t PL_DOORBELL_BYTES_ "PL_DOORBELL_BYTES"
+    uint64_t UINT64_MAX
     uint64_t pl_ring_nbytes(uint64_t capacity)
+    uint64_t pl_ring_max_capacity(uint64_t nbytes)
     int pl_ring_init(void *b, uint64_t capacity)
-    int pl_ring_is_valid(void *b)
+    uint64_t pl_ring_attach(void *b, uint64_t nbytes)
+    uint64_t pl_ring_recorded_capacity(void *b)
+    uint64_t pl_ring_head(void *b)
+    uint64_t pl_ring_tail(void *b)
     int pl_ring_closed(void *b)
     void pl_ring_close(void *b)
-    uint64_t pl_ring_len(void *b)
-    int pl_ring_push(void *b, int64_t value, double seconds)
-    int pl_ring_pop(void *b, int64_t *value, double seconds)
+    uint64_t pl_ring_len(void *b, uint64_t capacity)
+    int pl_ring_push(void *b, uint64_t capacity, int64_t value, double seconds)
+    int pl_ring_pop(void *b, uint64_t capacity, int64_t *value, double seconds)
     int pl_doorbell_init(void *b)
     int pl_doorbell_is_valid(void *b)
     void pl_doorbell_ring(void *b)
@@ -52,10 +64,10 @@ cdef class _Shared:
     cdef readonly object buffer
     cdef readonly Py_ssize_t offset
 
-    cdef int _attach(self, object buffer, Py_ssize_t offset, Py_ssize_t nbytes) except -1:
+    cdef int _attach(self, object buffer, Py_ssize_t offset, uint64_t nbytes) except -1:
         PyObject_GetBuffer(buffer, &self._view, PyBUF_WRITABLE | PyBUF_SIMPLE)
         self._held = True
-        if offset < 0 or offset + nbytes > self._view.len:
+        if offset < 0 or offset > self._view.len or nbytes > <uint64_t>(self._view.len - offset):
             raise ValueError(
                 f"a region of {nbytes} bytes at offset {offset} does not fit a buffer "
                 f"of {self._view.len} bytes")
@@ -77,14 +89,22 @@ cdef class Ring(_Shared):
 
     Exactly one process pushes and exactly one pops (ownership is the caller's
     contract). The creator calls `Ring(buf, off, capacity=n)` once; the other
-    side attaches with `Ring(buf, off)`. Blocking calls release the GIL and wait
+    side attaches with `Ring(buf, off)`, which checks the recorded capacity
+    against the buffer once and keeps it (ValueError when there is no ring of a
+    capacity that fits). Blocking calls release the GIL and wait
     at most `timeout` seconds (None: until closed), raising RingTimeout or
-    RingClosed (after `close()` from either side).
+    RingClosed (after `close()` from either side), or ControlCorrupt when the
+    ring's shared fields were overwritten (see the module docstring). `label` names
+    the ring in error messages ("done ring of worker 3").
     """
     cdef readonly uint64_t capacity
+    cdef readonly str label
+    cdef object _broken  # the message of the ControlCorrupt raised once, raised by every later call
 
-    def __cinit__(self, buffer, Py_ssize_t offset=0, capacity=None):
+    def __cinit__(self, buffer, Py_ssize_t offset=0, capacity=None, *, str label="ring"):
         cdef int rc
+        cdef uint64_t room
+        self.label = label
         if capacity is not None:
             if capacity < 1:
                 raise ValueError(f"ring capacity must be >= 1, got {capacity}")
@@ -94,9 +114,14 @@ cdef class Ring(_Shared):
                 raise OSError(rc, "sem_init failed for a ring")
         else:
             self._attach(buffer, offset, PL_RING_HEADER_BYTES_)
-            if not pl_ring_is_valid(self._ptr):
-                raise ValueError(f"no initialised ring at offset {offset} of this buffer")
-            capacity = (<uint64_t *>self._ptr)[1]
+            room = <uint64_t>(self._view.len - offset)
+            capacity = pl_ring_attach(self._ptr, room)
+            if capacity == 0:
+                raise ValueError(
+                    f"{label}: no initialised ring at offset {offset} of this buffer (magic "
+                    f"{(<uint64_t *>self._ptr)[0]:#x}, recorded capacity "
+                    f"{pl_ring_recorded_capacity(self._ptr)}; the {room} bytes from there hold "
+                    f"at most {pl_ring_max_capacity(room)} cells)")
             PyBuffer_Release(&self._view)
             self._held = False
             self._attach(buffer, offset, pl_ring_nbytes(capacity))
@@ -108,7 +133,12 @@ cdef class Ring(_Shared):
 
     def __len__(self):
         """Values currently queued (exact from either side when the other is idle)."""
-        return pl_ring_len(self._ptr)
+        if self._broken is not None:
+            raise ControlCorrupt(self._broken)
+        cdef uint64_t n = pl_ring_len(self._ptr, self.capacity)
+        if n == UINT64_MAX:
+            self._corrupt("len")
+        return n
 
     @property
     def closed(self):
@@ -120,15 +150,19 @@ cdef class Ring(_Shared):
 
     def try_push(self, int64_t value):
         """Push without waiting; False when full. Producer side only."""
-        cdef int rc = pl_ring_push(self._ptr, value, -1.0)
+        if self._broken is not None:
+            raise ControlCorrupt(self._broken)
+        cdef int rc = pl_ring_push(self._ptr, self.capacity, value, -1.0)
         if rc == PL_OK:
             return True
         return self._check(rc, "push")
 
     def try_pop(self):
         """Pop without waiting; None when empty. Consumer side only."""
+        if self._broken is not None:
+            raise ControlCorrupt(self._broken)
         cdef int64_t value = 0
-        cdef int rc = pl_ring_pop(self._ptr, &value, -1.0)
+        cdef int rc = pl_ring_pop(self._ptr, self.capacity, &value, -1.0)
         if rc == PL_OK:
             return value
         self._check(rc, "pop")
@@ -149,7 +183,10 @@ cdef class Ring(_Shared):
         cdef double slice_
         cdef int rc
         cdef void *ptr = self._ptr
+        cdef uint64_t capacity = self.capacity
         cdef double deadline = 0.0
+        if self._broken is not None:
+            raise ControlCorrupt(self._broken)
         if timeout is not None:
             if timeout < 0:
                 raise ValueError(f"timeout must be >= 0 or None, got {timeout}")
@@ -160,17 +197,19 @@ cdef class Ring(_Shared):
                 slice_ = min(_SLICE, max(0.0, deadline - time.monotonic()))
             with nogil:
                 if pushing:
-                    rc = pl_ring_push(ptr, value, slice_)
+                    rc = pl_ring_push(ptr, capacity, value, slice_)
                 else:
-                    rc = pl_ring_pop(ptr, out, slice_)
+                    rc = pl_ring_pop(ptr, capacity, out, slice_)
             if rc == PL_OK:
                 return 0
             if rc == PL_TIMEOUT or rc == PL_INTR:
                 PyErr_CheckSignals()
                 if timeout is not None and time.monotonic() >= deadline:
+                    queued = pl_ring_len(ptr, capacity)
                     raise RingTimeout(
-                        f"ring {'push' if pushing else 'pop'} timed out after {timeout} s "
-                        f"(capacity {self.capacity}, {pl_ring_len(ptr)} queued)")
+                        f"{self.label} {'push' if pushing else 'pop'} timed out after {timeout} s "
+                        f"(capacity {capacity}, "
+                        f"{'counters out of step' if queued == UINT64_MAX else queued} queued)")
                 continue
             self._check(rc, "push" if pushing else "pop")
 
@@ -178,8 +217,25 @@ cdef class Ring(_Shared):
         if rc == PL_EMPTY:
             return False
         if rc == PL_CLOSED:
-            raise RingClosed(f"ring {what} failed: the ring was closed")
-        raise OSError(-rc, f"ring {what} failed")
+            raise RingClosed(f"{self.label} {what} failed: the ring was closed")
+        if rc == PL_CORRUPT:
+            self._corrupt(what)
+        raise OSError(-rc, f"{self.label} {what} failed")
+
+    cdef int _corrupt(self, str what) except -1:
+        cdef uint64_t head = pl_ring_head(self._ptr)
+        cdef uint64_t tail = pl_ring_tail(self._ptr)
+        cdef uint64_t recorded = pl_ring_recorded_capacity(self._ptr)
+        cdef uint64_t magic = (<uint64_t *>self._ptr)[0]
+        self._broken = (
+            f"{self.label} {what}: its shared fields were overwritten (head {head}, tail "
+            f"{tail}: {tail - head if tail >= head else -<object>(head - tail)} apart, must be "
+            f"within 0..{self.capacity}; capacity field {recorded}, attached with "
+            f"{self.capacity}; magic {magic:#x}). "
+            "Some process that maps the pool's control block wrote over it (a stray write "
+            "in dataset, collate or extension code running in a worker); nothing was read "
+            "or written outside the ring.")
+        raise ControlCorrupt(self._broken)
 
 
 cdef class Doorbell(_Shared):

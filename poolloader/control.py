@@ -14,7 +14,8 @@ the readers below; both sides use these functions only:
            [2] max_slots        capacity of every table and ring
            [3] num_slots        slots currently in the pool (main grows it)
            [4] growth_counter   bumped by main after any slot table change
-           [5] main_pid         the process that owns every name
+           [5] main_pid         pid of the owner, for people debugging only: liveness is
+                                the owner lock on this segment (pool.py)
            [6] reserved
            [7] reserved
     64   doorbell             DOORBELL_BYTES
@@ -25,12 +26,20 @@ the readers below; both sides use these functions only:
            [2] ns waiting for a request (idle: no free slot / consumer slow)
            [3] reserved
     C    rings                per worker: request ring, done ring (capacity max_slots each)
+
+Main and every worker map all of it, so any of them can overwrite any of it. Each
+process therefore keeps the layout (num_workers, max_slots, every offset, each
+ring's capacity) in its own memory: main from its arguments, a worker from the
+header it checks once in read_shape. What is read later is checked where it is
+read (the rings in csrc/ring.h, the acks and slot table in pool.py) and a bad
+value is ControlCorrupt, never an index outside the segment.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from poolloader._ring import DOORBELL_BYTES, Doorbell, Ring
+from poolloader.errors import ControlCorrupt
 
 CONTROL_MAGIC = 0x6C6F72746E6F434C  # "LControl"
 _HEADER_FIELDS = 8
@@ -88,19 +97,48 @@ class Control:
             self.header[H_WORKERS] = num_workers
             self.header[H_MAX_SLOTS] = max_slots
         self.doorbell = Doorbell(mapping, lay.doorbell, create=create)
-        cap = max_slots if create else None
-        self.request_rings = [Ring(mapping, lay.request_ring_offset(w), capacity=cap) for w in range(num_workers)]
-        self.done_rings = [Ring(mapping, lay.done_ring_offset(w), capacity=cap) for w in range(num_workers)]
+        self.request_rings = [self._ring(lay.request_ring_offset(w), f"request ring of worker {w}", create)
+                              for w in range(num_workers)]
+        self.done_rings = [self._ring(lay.done_ring_offset(w), f"done ring of worker {w}", create)
+                           for w in range(num_workers)]
         if create:
             self.header[H_MAGIC] = CONTROL_MAGIC
 
+    def _ring(self, offset: int, label: str, create: bool) -> Ring:
+        """Create a ring of max_slots cells, or attach one and check it has that many.
+
+        Each Ring keeps its capacity in the process (csrc/ring.h): after this,
+        nothing that is written into its fields can move a read or write."""
+        max_slots = self.layout.max_slots
+        if create:
+            return Ring(self.mapping, offset, capacity=max_slots, label=label)
+        try:
+            ring = Ring(self.mapping, offset, label=label)
+        except ValueError as e:
+            raise ControlCorrupt(f"the control block's {e}") from None
+        if ring.capacity != max_slots:
+            raise ControlCorrupt(f"{label} records capacity {ring.capacity}, but the control "
+                                 f"block's max_slots is {max_slots}")
+        return ring
+
     @staticmethod
     def read_shape(mapping) -> tuple[int, int]:
-        """(num_workers, max_slots) of an initialised control segment."""
-        header = np.ndarray((_HEADER_FIELDS,), np.uint64, buffer=mapping, offset=0)
+        """(num_workers, max_slots) of an initialised control segment, checked to fit it.
+
+        Read once, by a process attaching; it keeps them (ControlLayout) and never
+        reads them from the segment again."""
+        header = np.array(np.ndarray((_HEADER_FIELDS,), np.uint64, buffer=mapping, offset=0))
         if int(header[H_MAGIC]) != CONTROL_MAGIC:
-            raise ValueError("internal error: control segment is not initialised")
-        return int(header[H_WORKERS]), int(header[H_MAX_SLOTS])
+            raise ControlCorrupt(f"the control segment is not initialised (magic "
+                                 f"{int(header[H_MAGIC]):#x}, expected {CONTROL_MAGIC:#x})")
+        num_workers, max_slots = int(header[H_WORKERS]), int(header[H_MAX_SLOTS])
+        size = len(mapping)
+        # the ack table alone must fit before the full layout is worth computing
+        if not (1 <= num_workers and 1 <= max_slots and 8 * num_workers * max_slots <= size
+                and ControlLayout(num_workers, max_slots).nbytes <= size):
+            raise ControlCorrupt(f"the control block's header says {num_workers} workers and "
+                                 f"max_slots={max_slots}, which do not fit its {size} bytes")
+        return num_workers, max_slots
 
     def close_views(self) -> None:
         """Drop every view so the mapping can be unmapped."""

@@ -24,6 +24,12 @@ class SlotCorrupt(RuntimeError):
     """A slot's header or skeleton is invalid; nothing was read outside the slot."""
 
 
+class ControlCorrupt(SlotCorrupt):
+    """Shared bytes besides a slot (a ring's counters or capacity, the control block's
+    header, slot table or acks) hold values no correct process writes; nothing was
+    read or written outside them."""
+
+
 class WorkerDied(RuntimeError):
     """A worker process exited while the loader still needed it."""
 

@@ -26,7 +26,7 @@ from poolloader import cuda
 from poolloader import slot_format as fmt
 from poolloader import supervise
 from poolloader.cuda_runtime import TorchCuda
-from poolloader.errors import SlotCorrupt, WorkerDied
+from poolloader.errors import ControlCorrupt, SlotCorrupt, WorkerDied
 from poolloader.ledger import SlotLedger, default_slots, slot_capacity
 from poolloader.pool import SlotPool
 from poolloader.stats import LoaderStats
@@ -86,7 +86,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                     auto_collation=self._auto_collation, collate_fn=self._collate_fn,
                     drop_last=self._drop_last, base_seed=self._base_seed,
                     init_fn=loader.worker_init_fn, worker_id=i, num_workers=n,
-                    prefix=self._pool.prefix, main_pid=os.getpid())
+                    prefix=self._pool.prefix)
                 self._workers.append(supervise.start_worker(ctx, worker_loop, (cfg,)))
             supervise.track(self)
             self._stats._attach(self._pool)
@@ -183,7 +183,11 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         except BaseException:
             ledger.give_back(slot)
             raise
-        self._request_rings[worker].push(slot, timeout=None)  # capacity: every slot
+        try:
+            self._request_rings[worker].push(slot, timeout=None)  # capacity: every slot
+        except ControlCorrupt as e:
+            self._fail(e)
+            raise
         self._task_info[self._send_idx] = (worker,)
         self._workers_num_tasks[worker] += 1
         self._tasks_outstanding += 1
@@ -217,7 +221,15 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
 
     def _wait_returned(self) -> tuple[int, int]:
         """Block until some worker returns a slot; (slot, worker). Bounded by
-        `timeout=` and by worker liveness, checked every MAIN_TICK."""
+        `timeout=` and by worker liveness, checked every MAIN_TICK. A corrupt control
+        block stops everything before the error reaches the caller."""
+        try:
+            return self._wait_returned_unchecked()
+        except ControlCorrupt as e:
+            self._fail(e)
+            raise
+
+    def _wait_returned_unchecked(self) -> tuple[int, int]:
         got = self._poll_done()
         if got is None:
             # Rings found on a poll leave their doorbell tokens behind; drop them,
@@ -267,13 +279,13 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
             self._refill_error = error
 
     def _next_host(self):
+        if self._refill_error is not None:  # first: it may be what shut the iterator down
+            error, self._refill_error = self._refill_error, None
+            raise error
         if self._shutdown:
             if self._ended:
                 raise StopIteration
             raise RuntimeError(self._dead_message())
-        if self._refill_error is not None:
-            error, self._refill_error = self._refill_error, None
-            raise error
         ledger = self._ledger
         while True:
             while self._rcvd_idx < self._send_idx:

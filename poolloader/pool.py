@@ -1,15 +1,60 @@
-"""Shared-memory segments: create, map, name, replace, unlink, sweep.
+"""Shared-memory segments: create, map, name, replace, unlink, sweep; who owns them.
 
 The pool knows nothing about what a slot holds. Every segment is created
 exclusively (O_EXCL) with mode 0600 under a name carrying the owner's pid and a
 random token, mapped once per process with the descriptor closed right after
-(poolloader._shm.Mapping keeps none), and unlinked as soon as every worker has
-mapped it (acks in the control block). Growth replaces a slot's segment with a
-new generation, never resizes a mapping in place (a CUDA host registration
-would not follow it).
+(poolloader._shm.Mapping keeps none), and slot names are unlinked as soon as every
+worker has mapped them (acks in the control block). Growth replaces a slot's
+segment with a new generation, never resizes a mapping in place (a CUDA host
+registration would not follow it).
 
-Names: /pl-<owner pid>-<token>-ctl for the control block and
-/pl-<owner pid>-<token>-s<slot>-g<generation> for slots.
+Names: /pl2-<owner pid>-<token>-ctl for the control block and
+/pl2-<owner pid>-<token>-s<slot>-g<generation> for slots. The pid is only a hint
+for people reading /dev/shm: nothing here decides anything by it. "pl2" marks
+pools that hold an owner lock (below); the "pl-" names of an older poolloader,
+whose sweep judges by pid, are neither judged here nor matched by its sweep, so
+two versions sharing a host leave each other alone.
+
+Ownership across jobs. /dev/shm is shared by every process on the host and often
+by several containers (docker --ipc=host, a pod's memory volume), each with its
+own PID namespace, so a pid in a name cannot say whether the owner lives: it may
+belong to another namespace, or have been reused. The owner's liveness is an open
+file description lock instead: main takes a write lock over its control segment
+(fcntl F_OFD_SETLK) when it creates it and holds it, on the one descriptor it
+keeps per pool, until close(). The kernel drops it when that descriptor closes,
+however the process ends (SIGKILL included), and every process that shares the
+tmpfs sees it, whatever its PID namespace, because it lives on the inode.
+
+* sweep_stale() (each new pool runs it) removes a pool's names only after taking
+  that lock itself, which proves the owner gone: slot names first, the control
+  name last, while holding it. Names whose control segment is absent are left
+  alone: a pool made here creates its control name first and removes it last,
+  so nothing says whose such names are (an older poolloader's, say).
+* OwnerProbe, the workers' parent-death check, asks the kernel whether the lock
+  is still held (F_OFD_GETLK) on the worker's own descriptor of the same inode:
+  exact under fork, spawn and forkserver (a dead forkserver says nothing about
+  main), and pid reuse cannot fool it.
+* So the control name stays for the pool's whole life (slot names still go as
+  soon as every worker has mapped them), and a child that os.fork() makes in
+  main closes its inherited copy of the lock's descriptor at once (an at-fork
+  hook; exec closes it too): a long-lived child must not keep a dead main's pool
+  "alive". A raw C fork() without exec would keep it until that child exits.
+* Between creating its control segment and locking it a new owner is exposed
+  for a moment; it checks afterwards that it holds the lock and that the name
+  still leads to its inode, and otherwise starts over under a new token.
+
+Weighed and not taken (issue 13): names carrying the PID namespace's identity,
+with each namespace sweeping only its own, still judge by pid inside it (reuse)
+and never reclaim a dead job's names from another namespace; DALI's way (unlink
+at once, descriptors passed with SCM_RIGHTS) needs no sweep, but needs a
+descriptor channel to every worker for every slot growth, and says nothing about
+parent death. The lock costs one descriptor per pool in main (constant in
+workers, batches and tensors) and one fcntl per idle worker tick.
+
+Everything a worker can write is untrusted here: main keeps its own copies of
+what it wrote (generations, the growth counter, slot counts) and checks the ack
+table against them; the worker side bounds what it reads by the shape it
+validated when it attached (see control.py).
 
 Main's segments are mapped with MADV_DONTFORK, so a child forked later (any
 loader's workers) does not inherit them, but it does inherit the Python objects
@@ -18,21 +63,29 @@ in a process other than the one that made the pool.
 """
 from __future__ import annotations
 
+import ctypes
 import errno
+import fcntl
 import os
 import re
 import secrets
 
+import numpy as np
 import posix_ipc
 
 from poolloader._shm import Mapping
 from poolloader.control import H_GROWTH, H_MAIN_PID, H_NUM_SLOTS, Control, ControlLayout
-from poolloader.errors import ShmSpaceError
+from poolloader.errors import ControlCorrupt, ShmSpaceError
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 SHM_DIR = "/dev/shm"
 SHM_LIMIT_ENV = "POOLLOADER_SHM_LIMIT"
-_NAME_RE = re.compile(r"^pl-(\d+)-([0-9a-f]+)-")
+NAME_TAG = "pl2"  # first part of every name (module docstring)
+_POOL_RE = re.compile(rf"^({NAME_TAG}-\d+-[0-9a-f]+)-")  # group 1: a pool's prefix, without "/"
+# How many fresh tokens a new pool tries when a sweeper races its control segment.
+_CLAIM_TRIES = 8
+
+
 def page_round(nbytes: int) -> int:
     return max(PAGE, (nbytes + PAGE - 1) // PAGE * PAGE)
 
@@ -50,32 +103,127 @@ def shm_free_bytes() -> int:
     return st.f_bavail * st.f_frsize
 
 
-def _pid_alive(pid: int) -> bool:
+# -- the owner lock ------------------------------------------------------------------
+
+class _Flock(ctypes.Structure):
+    """struct flock as Linux's F_OFD_* commands read it (64-bit offsets)."""
+    _fields_ = [("l_type", ctypes.c_short), ("l_whence", ctypes.c_short),
+                ("l_start", ctypes.c_int64), ("l_len", ctypes.c_int64), ("l_pid", ctypes.c_int)]
+
+
+def _ofd_lock(fd: int, command: int) -> _Flock:
+    """A write lock over the whole file: set it (F_OFD_SETLK) or test for one (F_OFD_GETLK)."""
+    request = _Flock(fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)
+    return _Flock.from_buffer_copy(fcntl.fcntl(fd, command, bytes(request)))
+
+
+def _take_owner_lock(fd: int) -> bool:
+    """Take the owner lock on `fd`'s open file description; False if someone holds it."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
+        _ofd_lock(fd, fcntl.F_OFD_SETLK)
+    except OSError as e:
+        if e.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        if e.errno == errno.EINVAL:
+            raise OSError(e.errno, "poolloader needs open file description locks (fcntl "
+                          "F_OFD_SETLK, Linux 3.15 or later) on /dev/shm") from None
+        raise
     return True
 
 
+def _owner_lock_held(fd: int) -> bool:
+    """Whether another open file description holds a lock on `fd`'s file."""
+    return _ofd_lock(fd, fcntl.F_OFD_GETLK).l_type != fcntl.F_UNLCK
+
+
+_held_lock_fds: set[int] = set()  # owner-lock descriptors of this process's live pools
+
+
+def _close_inherited_locks() -> None:
+    # In a child of os.fork(): main's locks are main's, not this child's to keep alive.
+    for fd in _held_lock_fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _held_lock_fds.clear()
+
+
+os.register_at_fork(after_in_child=_close_inherited_locks)
+
+
+class _NameLost(Exception):
+    """A sweeper took a new control segment's name before its owner could lock it."""
+
+
+class OwnerProbe:
+    """Worker side: whether the owner of a pool still lives.
+
+    Opens the pool's control segment by name once and keeps that descriptor (one
+    per worker); is_alive() is one fcntl asking whether main's owner lock is still
+    held (see the module docstring). If the control name is already gone, the
+    owner closed the pool or died and was swept: is_alive() is False.
+    """
+
+    def __init__(self, prefix: str):
+        try:
+            shm = posix_ipc.SharedMemory(control_name(prefix))
+        except posix_ipc.ExistentialError:
+            self._fd = None
+        else:
+            self._fd = shm.fd
+
+    def is_alive(self) -> bool:
+        return self._fd is not None and _owner_lock_held(self._fd)
+
+
+def _pool_names(prefix: str) -> list[str]:
+    """Every name in /dev/shm of the pool `prefix`, slot names before the control name."""
+    stem = prefix.lstrip("/") + "-"
+    try:
+        names = ["/" + entry for entry in os.listdir(SHM_DIR) if entry.startswith(stem)]
+    except OSError:
+        return []
+    return sorted(names, key=lambda name: name == control_name(prefix))
+
+
 def sweep_stale() -> list[str]:
-    """Unlink poolloader names whose owner process no longer exists; return them."""
-    removed = []
+    """Unlink the names of every pool whose owner is gone; return them (without "/").
+
+    Only names under a control segment whose owner lock this call could take go;
+    see the module docstring. One open and one fcntl per pool found in /dev/shm.
+    """
     try:
         entries = os.listdir(SHM_DIR)
     except OSError:
-        return removed
-    for entry in entries:
-        m = _NAME_RE.match(entry)
-        if m and not _pid_alive(int(m.group(1))):
+        return []
+    prefixes = {"/" + m.group(1) for m in map(_POOL_RE.match, entries) if m}
+    removed = []
+    for prefix in sorted(prefixes):
+        removed += _sweep_pool(prefix)
+    return [name.lstrip("/") for name in removed]
+
+
+def _sweep_pool(prefix: str) -> list[str]:
+    try:
+        shm = posix_ipc.SharedMemory(control_name(prefix))
+    except posix_ipc.ExistentialError:
+        return []  # no control segment: nothing says whose these names are
+    except posix_ipc.PermissionsError:
+        return []  # another user's pool: not ours to judge
+    try:
+        if not _take_owner_lock(shm.fd):
+            return []  # its owner lives (or another sweeper is at it)
+        removed = []
+        for name in _pool_names(prefix):  # listed again under the lock: all of them
             try:
-                posix_ipc.unlink_shared_memory("/" + entry)
-                removed.append(entry)
+                posix_ipc.unlink_shared_memory(name)
+                removed.append(name)
             except (posix_ipc.ExistentialError, posix_ipc.PermissionsError):
                 pass
-    return removed
+        return removed
+    finally:
+        shm.close_fd()  # drops our lock
 
 
 def unlink_quietly(name: str) -> None:
@@ -93,6 +241,14 @@ def create_segment(name: str, nbytes: int, what: str, pool_bytes: int, limit: in
     pages with posix_fallocate: on tmpfs an unreserved segment would be created
     fine and kill its first writer with SIGBUS once the space runs out.
     """
+    mapping, _ = _create(name, nbytes, what, pool_bytes, limit, dontfork, claim=False)
+    return mapping
+
+
+def _create(name: str, nbytes: int, what: str, pool_bytes: int, limit: int | None,
+            dontfork: bool, claim: bool) -> tuple[Mapping, int | None]:
+    """create_segment; with `claim`, also take the owner lock and return the locked
+    descriptor (the caller keeps it), or raise _NameLost if a sweeper got there first."""
     free = shm_free_bytes()
     if limit is not None and pool_bytes + nbytes > limit:
         raise ShmSpaceError(
@@ -103,7 +259,12 @@ def create_segment(name: str, nbytes: int, what: str, pool_bytes: int, limit: in
     if nbytes > free:
         raise _space_error(nbytes, free, what)
     shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=nbytes)
+    keep_fd = False
     try:
+        # A sweeper may have opened the name before we locked it: then it holds the
+        # lock (we fail to take it) or has already unlinked the name.
+        if claim and not (_take_owner_lock(shm.fd) and _same_file(SHM_DIR + name, shm.fd)):
+            raise _NameLost(name)
         try:
             os.posix_fallocate(shm.fd, 0, nbytes)
         except OSError as e:
@@ -111,12 +272,24 @@ def create_segment(name: str, nbytes: int, what: str, pool_bytes: int, limit: in
                 raise _space_error(nbytes, shm_free_bytes(), what) from None
             if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                 raise
-        return Mapping(shm.fd, nbytes, dontfork)
+        mapping = Mapping(shm.fd, nbytes, dontfork)
+        keep_fd = claim
+        return mapping, (shm.fd if claim else None)
     except BaseException:
-        shm.unlink()
+        unlink_quietly(name)  # ours alone (random token), if a sweeper left it
         raise
     finally:
-        shm.close_fd()
+        if not keep_fd:
+            shm.close_fd()
+
+
+def _same_file(path: str, fd: int) -> bool:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
 
 
 def open_segment(name: str) -> Mapping:
@@ -164,7 +337,7 @@ class SlotPool:
         self.max_slots = max_slots
         self.target_bytes = page_round(slot_bytes)
         self._owner_pid = os.getpid()
-        self.prefix = f"/pl-{self._owner_pid}-{secrets.token_hex(8)}"
+        self.prefix = ""  # set once the control segment is claimed
         self._on_map = on_map
         self._on_unmap = on_unmap
         self.mappings: list[Mapping | None] = []
@@ -173,19 +346,19 @@ class SlotPool:
         self._pending: dict[str, tuple[int, int]] = {}  # name -> (slot, generation) awaiting acks
         self._names: set[str] = set()  # every name not yet unlinked
         self.control: Control | None = None
-        self._control_mapping = None
+        self._control_mapping: Mapping | None = None
+        self._control_name = ""
+        self._lock_fd: int | None = None  # holds the owner lock: the pool's one descriptor
+        self._growth = 0  # main's copy of the growth counter it publishes
         self._closed = False
         sweep_stale()
         try:
             lay = ControlLayout(num_workers, max_slots)
-            name = control_name(self.prefix)
             needed = lay.nbytes + slots * self.target_bytes
             free = shm_free_bytes()
             if needed > free:
                 raise _space_error(needed, free, f"a pool of {slots} slots of {self.target_bytes} bytes")
-            self._control_mapping = create_segment(name, lay.nbytes, "the control block", 0, shm_limit)
-            self._names.add(name)
-            self._control_name = name
+            self._claim_control(lay.nbytes)
             self.control = Control(self._control_mapping, num_workers, max_slots, create=True)
             self.control.header[H_MAIN_PID] = os.getpid()
             for _ in range(slots):
@@ -193,6 +366,25 @@ class SlotPool:
         except BaseException:
             self.close()
             raise
+
+    def _claim_control(self, nbytes: int) -> None:
+        """Create the control segment under a fresh prefix and hold its owner lock."""
+        for _ in range(_CLAIM_TRIES):
+            prefix = f"/{NAME_TAG}-{self._owner_pid}-{secrets.token_hex(8)}"
+            name = control_name(prefix)
+            try:
+                mapping, fd = _create(name, nbytes, "the control block", 0, self.shm_limit,
+                                      dontfork=True, claim=True)
+            except _NameLost:
+                continue
+            assert fd is not None
+            self.prefix, self._control_name = prefix, name
+            self._control_mapping, self._lock_fd = mapping, fd
+            _held_lock_fds.add(fd)
+            self._names.add(name)
+            return
+        raise RuntimeError(f"internal error: {_CLAIM_TRIES} new control segments in a row were "
+                           "unlinked by other processes before this one could lock them")
 
     # -- sizes ---------------------------------------------------------------
     @property
@@ -287,7 +479,8 @@ class SlotPool:
         self.control.slot_table[slot, 0] = generation  # last: readers key on it
 
     def _bump(self) -> None:
-        self.control.header[H_GROWTH] = int(self.control.header[H_GROWTH]) + 1
+        self._growth += 1
+        self.control.header[H_GROWTH] = self._growth
 
     def unmap(self, mapping) -> None:
         """A mapping detached from the pool whose batch is gone: unregister, unmap."""
@@ -303,21 +496,29 @@ class SlotPool:
 
     # -- names ---------------------------------------------------------------
     def unlink_mapped(self) -> int:
-        """Unlink every name that all workers have mapped; returns how many remain.
+        """Unlink every slot name that all workers have mapped; returns how many remain.
 
         Called after each returned slot and on main's wait ticks; a dict check
-        when nothing is pending.
+        when nothing is pending. The control name stays until close(): it carries
+        the owner lock (module docstring). Workers write the ack table, so it is
+        read once into a local copy and checked against the generations main made:
+        ControlCorrupt if a worker claims one that does not exist.
         """
         if not self._pending:
             return 0
-        acks = self.control.acks
+        acks = np.array(self.control.acks)  # one read of what workers wrote
         for name, (slot, generation) in list(self._pending.items()):
-            if int(acks[:, slot].min()) >= generation:
+            acked = acks[:, slot]
+            if int(acked.max()) > self.generations[slot]:
+                worker = int(acked.argmax())
+                raise ControlCorrupt(
+                    f"worker {worker} acknowledged generation {int(acked[worker])} of slot {slot}, "
+                    f"but main has made only {self.generations[slot]}: the control block's ack "
+                    "table was overwritten by a process that maps it (a stray write in code "
+                    "running in a worker)")
+            if int(acked.min()) >= generation:
                 del self._pending[name]
                 self._unlink(name)
-        if not self._pending:
-            # every worker acknowledged a slot, so it attached the control block first
-            self._unlink(self._control_name)
         return len(self._pending)
 
     def _unlink(self, name: str) -> None:
@@ -335,7 +536,9 @@ class SlotPool:
         if self._closed or os.getpid() != self._owner_pid:
             return  # an inherited copy in a forked child owns nothing
         self._closed = True
-        for name in list(self._names):
+        # slot names first, the control name last: a sweeper that finds slot names
+        # without their control segment leaves them alone
+        for name in sorted(self._names, key=lambda name: name == self._control_name):
             unlink_quietly(name)
         self._names.clear()
         self._pending.clear()
@@ -355,6 +558,10 @@ class SlotPool:
         if self._control_mapping is not None:
             retire(self._control_mapping)
             self._control_mapping = None
+        if self._lock_fd is not None:
+            _held_lock_fds.discard(self._lock_fd)
+            os.close(self._lock_fd)  # drops the owner lock: the names are gone already
+            self._lock_fd = None
         if failure is not None:
             raise failure
 
@@ -364,6 +571,8 @@ class WorkerSlots:
 
     `sync()` maps what changed since last time and acknowledges it in the
     control block, so main can unlink the names; it is cheap when nothing grew.
+    Every worker and main can write the control block, so what is read from it is
+    bounded by the shape validated at attach (ControlCorrupt otherwise).
     """
 
     def __init__(self, prefix: str, worker_id: int):
@@ -375,6 +584,10 @@ class WorkerSlots:
         finally:
             shm.close_fd()
         num_workers, max_slots = Control.read_shape(mapping)
+        if not 0 <= worker_id < num_workers:
+            raise ControlCorrupt(f"worker {worker_id}: the control block says the pool has "
+                                 f"{num_workers} workers")
+        self.max_slots = max_slots
         self.control = Control(mapping, num_workers, max_slots, create=False)
         self.mappings: dict[int, tuple[int, Mapping]] = {}
         self._seen_growth = -1
@@ -385,8 +598,12 @@ class WorkerSlots:
         if growth == self._seen_growth:
             return
         self._seen_growth = growth
+        num_slots = int(self.control.header[H_NUM_SLOTS])
+        if num_slots > self.max_slots:
+            raise ControlCorrupt(f"worker {self.worker_id}: the control block says the pool has "
+                                 f"{num_slots} slots, more than its max_slots={self.max_slots}")
         table = self.control.slot_table
-        for slot in range(int(self.control.header[H_NUM_SLOTS])):
+        for slot in range(num_slots):
             generation = int(table[slot, 0])
             have = self.mappings.get(slot)
             if generation == 0:  # detached by main, empty until refilled
@@ -405,6 +622,9 @@ class WorkerSlots:
 
     def mapping(self, slot: int) -> Mapping:
         """The current mapping of a slot this worker owns right now (popped from its ring)."""
+        if not 0 <= slot < self.max_slots:
+            raise ControlCorrupt(f"worker {self.worker_id} was handed slot {slot}, outside the "
+                                 f"pool's 0..{self.max_slots - 1}: its request ring was overwritten")
         generation = int(self.control.slot_table[slot, 0])
         have = self.mappings.get(slot)
         if have is None or have[0] != generation:
@@ -417,10 +637,9 @@ class WorkerSlots:
         return have[1]
 
     def unlink_all(self) -> None:
-        """The parent died: remove every name it owned (control block included)."""
-        table = self.control.slot_table
-        for slot in range(int(self.control.header[H_NUM_SLOTS])):
-            if int(table[slot, 0]):
-                unlink_quietly(slot_name(self.prefix, slot, int(table[slot, 0])))
-        unlink_quietly(control_name(self.prefix))
+        """The parent died: remove every name it owned, control block last.
 
+        Found by listing /dev/shm for the prefix, not from the slot table, which
+        any process of the pool could have overwritten."""
+        for name in _pool_names(self.prefix):
+            unlink_quietly(name)

@@ -9,7 +9,6 @@ ExceptionWrapper.
 """
 from __future__ import annotations
 
-import os
 import random
 import time
 from dataclasses import dataclass
@@ -19,13 +18,13 @@ import torch
 from torch.utils.data._utils import signal_handling
 from torch.utils.data._utils import worker as torch_worker
 from torch.utils.data._utils.collate import default_collate
-from torch.utils.data._utils.worker import ManagerWatchdog, WorkerInfo, _generate_state
+from torch.utils.data._utils.worker import WorkerInfo, _generate_state
 from torch._utils import ExceptionWrapper
 
 from poolloader import collate as slot_collate_mod
 from poolloader import slot_format as fmt
 from poolloader.errors import RingClosed, RingTimeout
-from poolloader.pool import WorkerSlots
+from poolloader.pool import OwnerProbe, WorkerSlots
 
 # How often an idle worker checks that its parent is alive (seconds).
 WORKER_TICK = 0.25
@@ -42,26 +41,21 @@ class WorkerConfig:
     init_fn: Any
     worker_id: int
     num_workers: int
-    prefix: str
-    main_pid: int
+    prefix: str  # the pool's names; its control segment also tells whether main lives
 
 
-def _parent_alive(watchdog: ManagerWatchdog, main_pid: int) -> bool:
-    if not watchdog.is_alive():
-        return False
-    try:
-        os.kill(main_pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
+def _parent_alive(owner: OwnerProbe) -> bool:
+    """Whether main (the pool's owner) still lives: its owner lock on the control
+    segment is still held (poolloader.pool). Neither the worker's parent (under
+    forkserver, the forkserver) nor main's pid (reusable, namespace-relative) is
+    consulted, so this is exact under fork, spawn and forkserver; one fcntl."""
+    return owner.is_alive()
 
 
 def worker_loop(cfg: WorkerConfig) -> None:
     from torch.utils.data import _DatasetKind
 
-    watchdog = ManagerWatchdog()
+    owner = OwnerProbe(cfg.prefix)
     slots = None
     try:
         signal_handling._set_worker_signal_handlers()
@@ -113,7 +107,7 @@ def worker_loop(cfg: WorkerConfig) -> None:
             try:
                 slot = request_ring.pop(timeout=WORKER_TICK)
             except RingTimeout:
-                if not _parent_alive(watchdog, cfg.main_pid):
+                if not _parent_alive(owner):
                     slots.unlink_all()
                     return
                 slots.sync()
@@ -180,7 +174,7 @@ def worker_loop(cfg: WorkerConfig) -> None:
     except RingClosed:
         pass
     finally:
-        if slots is not None and not _parent_alive(watchdog, cfg.main_pid):
+        if slots is not None and not _parent_alive(owner):
             slots.unlink_all()
 
 

@@ -461,8 +461,18 @@ def fd_limit(limit: str, workers: str, batches: str) -> None:
     def fds():
         return len(os.listdir("/proc/self/fd")) - 1  # less listdir's own
 
+    def targets():
+        found = set()
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                found.add(os.readlink(f"/proc/self/fd/{fd}"))
+            except OSError:  # listdir's own, closed meanwhile
+                pass
+        return found
+
     workers, batches = int(workers), int(batches)
     print(f"base_fds={fds()}", flush=True)
+    base_targets = targets()
     data = ds.RFDETRShaped(n=32, hw=96)
     sampler = RandomSampler(data, replacement=True, num_samples=16 * batches,
                             generator=torch.Generator().manual_seed(0))
@@ -474,15 +484,21 @@ def fd_limit(limit: str, workers: str, batches: str) -> None:
         print(f"start_error={type(e).__name__}: {e}", flush=True)
         raise
     print(f"start_fds={fds()}", flush=True)
-    got = 0
+    # what the pool holds open: its owner lock on the control segment (pool.py)
+    print(f"pool_fd_targets={' '.join(sorted(targets() - base_targets))}", flush=True)
+    got = peak = 0
     for batch in it:
-        images, masks, targets = batch
+        images, masks, targets_ = batch
         assert images.shape == (16, 3, 96, 96) and masks.shape == (16, 96, 96)
-        assert len(targets) == 16 and all(len(t) == 7 for t in targets)
+        assert len(targets_) == 16 and all(len(t) == 7 for t in targets_)
         got += 1
-        del batch, images, masks, targets
+        del batch, images, masks, targets_
+        live = fds()  # the pool is alive until the loop asks past the last batch
+        peak = max(peak, live)
     print(f"batches={got}", flush=True)
-    print(f"end_fds={fds()}", flush=True)
+    print(f"end_fds={live}", flush=True)
+    print(f"peak_fds={peak}", flush=True)
+    print(f"after_fds={fds()}", flush=True)
 
 
 # ---------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from cuda_standin import SimCuda
 from helpers import running
 from poolloader import PoolLoader, cuda, staging
 from poolloader.errors import CudaRegistrationError
+from poolloader.pool import NAME_TAG
 from poolloader.pool import SlotPool
 from poolloader.slot_format import DATA_OFF
 from poolloader.stats import LoaderStats
@@ -314,7 +315,7 @@ def test_gate_registration_failure_names_slot_size_and_error_and_leaves_nothing(
     sim = SimCuda()
     sim.fail_register = {2: 2}  # the third cudaHostRegister: out of memory
     gate = cuda.SlotGate(sim)
-    prefix = f"/pl-{os.getpid()}-"
+    prefix = f"/{NAME_TAG}-{os.getpid()}-"
     with pytest.raises(CudaRegistrationError,
                        match=r"slot 2 \(69632 bytes at 0x[0-9a-f]+\) failed with "
                              r"cudaErrorMemoryAllocation \(2\)\. Lower slot_bytes"):

@@ -16,6 +16,7 @@ from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorData
 
 import loader_datasets as ds
 from poolloader import PoolLoader, WorkerDied
+from poolloader.pool import NAME_TAG
 
 LOADERS = [DataLoader, PoolLoader]
 
@@ -185,7 +186,7 @@ def test_dataloader_surface():
 
 def test_creates_nothing_until_iterated():
     def ours():  # other processes on the machine create names meanwhile: count only ours
-        return {n for n in os.listdir("/dev/shm") if n.startswith(f"pl-{os.getpid()}-")}
+        return {n for n in os.listdir("/dev/shm") if n.startswith(f"{NAME_TAG}-{os.getpid()}-")}
     before = ours()
     loader = PoolLoader(ds.AugmentDataset(), batch_size=2, num_workers=2)
     assert ours() == before

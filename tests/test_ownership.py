@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import loader_datasets as ds
 from poolloader import PoolLoader
 from poolloader import slot_format as fmt
+from poolloader.pool import NAME_TAG
 from test_loader import assert_same
 
 BOTH = (DataLoader, PoolLoader)
@@ -38,7 +39,7 @@ def pool_shm_bytes() -> int:
     total = 0
     with open("/proc/self/maps") as f:
         for line in f:
-            if "/dev/shm/pl-" in line:
+            if f"/dev/shm/{NAME_TAG}-" in line:
                 lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
                 total += hi - lo
     return total

@@ -34,7 +34,9 @@ def test_slots_are_page_rounded_and_named_until_every_worker_maps_them(pool):
     assert pool.unlink_mapped() == 2  # no worker has acknowledged anything yet
     worker = WorkerSlots(pool.prefix, 0)  # maps the control block and both slots, acks them
     assert pool.unlink_mapped() == 0
-    assert not pool.live_names and not any(exists(n) for n in names)
+    # the slot names go; the control block's stays for the pool's life (the owner lock)
+    assert pool.live_names == {n for n in names if n.endswith("-ctl")}
+    assert [exists(n) for n in sorted(names)] == [n.endswith("-ctl") for n in sorted(names)]
     # the worker's mappings are the same memory as main's
     memoryview(pool.mappings[1])[100:104] = b"abcd"
     assert bytes(memoryview(worker.mapping(1))[100:104]) == b"abcd"
@@ -51,7 +53,7 @@ def test_replace_gives_a_new_generation_the_worker_follows(pool):
     memoryview(pool.mappings[0])[0:2] = b"hi"
     assert bytes(memoryview(worker.mapping(0))[0:2]) == b"hi"
     pool.unlink_mapped()
-    assert not pool.live_names
+    assert all(n.endswith("-ctl") for n in pool.live_names)
 
 
 def test_detach_leaves_the_mapping_to_its_holder_and_refill_restores_the_slot(pool):
