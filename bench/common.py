@@ -59,8 +59,9 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Callable
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:  # the data generators in fixtures/ are not installed
@@ -166,7 +167,7 @@ class Raw:
                 "errors": [[self.errors[c][a] for a in self.arms] for c in self.cells]}
 
     @classmethod
-    def from_json(cls, data: dict) -> "Raw":
+    def from_json(cls, data: dict) -> Raw:
         cells = [tuple(c) if isinstance(c, list) else c for c in data["cells"]]
         raw = cls(cells, data["arms"])
         for c, per_arm, errs in zip(cells, data["values"], data["errors"]):
@@ -608,7 +609,7 @@ def shm_names() -> set[str]:
 def names_of(pids, names=None) -> list[str]:
     """The /dev/shm names (of `names`, default all) that carry one of `pids`
     (as `pl2-<pid>-` or `torch_<pid>_`)."""
-    from poolloader.pool import NAME_TAG
+    from poolloader.segments import NAME_TAG
 
     pids = set(pids)
     out = []

@@ -49,7 +49,8 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from poolloader import PoolLoader, cuda  # noqa: E402
-from poolloader.pool import SlotPool, shm_free_bytes  # noqa: E402
+from poolloader.pool import SlotPool  # noqa: E402
+from poolloader.segments import shm_free_bytes  # noqa: E402
 from poolloader.slot_format import DATA_OFF  # noqa: E402
 
 SLEEP_CYCLES = 50_000_000  # torch.cuda._sleep: ~30 ms on current GPUs

@@ -15,7 +15,8 @@ PoolLoader at its default 1 MiB initial slots, grown in the warm-up).
 
 Method, per cell (payload size × arm), via bench/common.py: create the loader,
 draw `workers × 2 + 4` warm-up batches untimed, then the timed ones (about
-`--mib-per-cell` of payload: at least `--batches`, at most 400 batches), each `next()` then `del`, nothing else (the data set holds more batches than
+`--mib-per-cell` of payload: at least `--batches`, at most 400 batches), each `next()`
+then `del`, nothing else (the data set holds more batches than
 are drawn, so the pipeline never drains). Reported:
   main ms/batch  the main thread's CPU time over `next()` + `del` per batch
                  (`time.thread_time`, median over the timed batches): what

@@ -19,7 +19,8 @@ Method, per cell (dataset × worker count × arm), via bench/common.py:
 create the loader, iterate it; `workers × 2 + 4` warm-up batches are drawn
 and dropped untimed (worker start, every slot's first growth); then `--batches`
 batches are timed (the data set holds `workers × 2 + 2` more batches than are
-drawn, so the timed ones never come from a draining pipeline), each `next()` then `del` with nothing else in between, so the
+drawn, so the timed ones never come from a draining pipeline), each `next()` then `del`
+with nothing else in between, so the
 consumer is never the bottleneck. Reported per cell: img/s = 16 × batches /
 wall time of the timed batches, and the main thread's CPU time per batch over
 `next()` + `del` (`time.thread_time`, i.e. what receiving and releasing a batch
@@ -48,8 +49,8 @@ import common  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from poolloader import DetectionCollate, PoolLoader  # noqa: E402
 from fixtures.synthetic import CocoLikeDataset, FilledDetectionDataset  # noqa: E402
+from poolloader import DetectionCollate, PoolLoader  # noqa: E402
 
 NAME = "workers"
 BATCH = 16

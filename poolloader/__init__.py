@@ -2,8 +2,15 @@
 preallocated, reused shared-memory slots; only slot indices cross processes."""
 from poolloader.collate import slot_collate, slot_empty
 from poolloader.detection import DetectionCollate, PackedTargets, pack_targets
-from poolloader.errors import (ControlCorrupt, PoolExhausted, RingClosed, RingTimeout,
-                               ShmSpaceError, SlotCorrupt, WorkerDied)
+from poolloader.errors import (
+                               ControlCorrupt,
+                               PoolExhausted,
+                               RingClosed,
+                               RingTimeout,
+                               ShmSpaceError,
+                               SlotCorrupt,
+                               WorkerDied,
+)
 from poolloader.loader import PoolLoader
 from poolloader.stats import LoaderStats
 

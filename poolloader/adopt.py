@@ -168,7 +168,7 @@ def _install() -> None:
     # object.__new__'s argument handling back, so _new stays and passes through.
     with _State.lock:
         if not _State.installed:
-            DataLoader.__new__ = staticmethod(_new)  # type: ignore[assignment]
+            DataLoader.__new__ = staticmethod(_new)  # type: ignore[method-assign]
             _State.installed = True
 
 
@@ -349,7 +349,8 @@ def _enable_in_child(options: dict, report: bool) -> None:
 
 
 def _preparation_data(name):
-    data = _preparation_data.original(name)  # type: ignore[attr-defined]
+    data = _preparation_data.original(name)
     if _State.options is not None:
-        data["poolloader"] = _ChildSetup(dict(_State.options), _State.report)  # prepare() ignores unknown keys
+        # prepare() ignores unknown keys
+        data["poolloader"] = _ChildSetup(dict(_State.options), _State.report)
     return data

@@ -142,6 +142,6 @@ class Control:
 
     def close_views(self) -> None:
         """Drop every view so the mapping can be unmapped."""
-        self.header = self.slot_table = self.acks = self.worker_stats = None
-        self.doorbell = None
+        self.header = self.slot_table = self.acks = self.worker_stats = None  # type: ignore[assignment]
+        self.doorbell = None  # type: ignore[assignment]
         self.request_rings = self.done_rings = []

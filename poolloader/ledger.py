@@ -27,7 +27,10 @@ from poolloader import slot_format as fmt
 from poolloader._shm import share_leased_with_children
 from poolloader.cuda import COOL_TIMEOUT_S
 from poolloader.errors import ShmSpaceError, SlotCorrupt
-from poolloader.pool import SlotPool, page_round, retire
+from poolloader.pool import SlotPool
+
+# Headroom when a slot grows.
+from poolloader.segments import page_round, retire
 
 # Headroom when a slot grows.
 GROWTH_FACTOR = 1.25

@@ -25,7 +25,7 @@ JOIN_TIMEOUT = 1.0
 # Start methods whose Popen.poll() uses waitpid, not the sentinel pipe.
 _WAITPID_POPENS = ("multiprocessing.popen_fork", "multiprocessing.popen_spawn_posix")
 
-_live: "weakref.WeakSet" = weakref.WeakSet()
+_live: weakref.WeakSet = weakref.WeakSet()
 _live_lock = threading.Lock()
 
 

@@ -24,7 +24,10 @@ from torch._utils import ExceptionWrapper
 from poolloader import collate as slot_collate_mod
 from poolloader import slot_format as fmt
 from poolloader.errors import RingClosed, RingTimeout
-from poolloader.pool import OwnerProbe, WorkerSlots
+from poolloader.pool import WorkerSlots
+
+# How often an idle worker checks that its parent is alive (seconds).
+from poolloader.segments import OwnerProbe
 
 # How often an idle worker checks that its parent is alive (seconds).
 WORKER_TICK = 0.25

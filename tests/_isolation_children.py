@@ -105,6 +105,7 @@ def loader_epochs(tag, epochs, method, workers):
     """Non-persistent epochs (each one a new pool, and so a sweep) over TaggedSamples;
     every value checked. Prints `EPOCH <k> <prefix>` per epoch, then RESULT."""
     import robustness_datasets as rds
+
     from poolloader import PoolLoader
 
     tag, n = int(tag), 24
@@ -131,6 +132,7 @@ def main_until_killed(method, hold):
     inherits: a forkserver's keep-alive pipe, any descriptor without a fork hook).
     Prints `READY <prefix> <pid> <holder pid or 0> <worker pids...>`."""
     import robustness_datasets as rds
+
     from poolloader import PoolLoader
 
     signal.alarm(120)  # never outlive a lost test
@@ -155,7 +157,7 @@ def pid_reuse(method, what):
     what="all": main, workers and holder at once, and a new pool's sweep must remove
     them), then hand main's pid to a new process before anything is checked, so a
     check by pid finds that pid alive."""
-    from poolloader.pool import sweep_stale
+    from poolloader.segments import sweep_stale
 
     main = subprocess.Popen([sys.executable, __file__, "main_until_killed", method, "1"],
                             stdout=subprocess.PIPE, text=True)
@@ -189,6 +191,7 @@ def forkserver_dies():
     import multiprocessing.forkserver as forkserver
 
     import robustness_datasets as rds
+
     from poolloader import PoolLoader
 
     signal.alarm(120)
@@ -284,7 +287,7 @@ def _overwrite_control(prefix, mode):
     import numpy as np
 
     from poolloader.control import Control, ControlLayout
-    from poolloader.pool import control_name, open_segment
+    from poolloader.segments import control_name, open_segment
 
     mapping = open_segment(control_name(prefix))
     num_workers, max_slots = Control.read_shape(mapping)
@@ -307,6 +310,7 @@ def corrupt_live_loader(mode):
     import multiprocessing
 
     import robustness_datasets as rds
+
     from poolloader import PoolLoader
 
     signal.alarm(100)

@@ -13,6 +13,7 @@ import sys
 import time
 
 from helpers import attach_shared
+
 from poolloader._ring import Doorbell, Ring
 from poolloader.errors import RingClosed, RingTimeout
 

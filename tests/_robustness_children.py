@@ -132,10 +132,9 @@ class _Pid:
 
 def _fuzz_batches():
     """Real batches, as a worker builds them: (name, payload, uses slot_collate)."""
+    import loader_datasets as ds
     import torch
     from torch._utils import ExceptionWrapper
-
-    import loader_datasets as ds
 
     try:
         raise KeyError("bad sample 7")
@@ -164,7 +163,6 @@ def fuzz(examples: str = "400") -> None:
 
     import numpy as np
     import posix_ipc
-    import torch
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
@@ -429,12 +427,13 @@ def signalled(mode: str) -> None:
     if mode == "sigterm-handler":
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     import loader_datasets as ds
+
     from poolloader import PoolLoader
 
     loader = PoolLoader(ds.PidDataset(n=1_000_000, delay=0.005), batch_size=2, num_workers=2,
                         slot_bytes=1 << 16)
     it = iter(loader)
-    for k, batch in enumerate(it):
+    for k, _batch in enumerate(it):
         if k == 5:
             print("READY", it.shm_prefix, *it.worker_pids, flush=True)
     sys.exit("the epoch ended before any signal came")
@@ -452,10 +451,10 @@ def fd_limit(limit: str, workers: str, batches: str) -> None:
     import warnings
 
     warnings.simplefilter("ignore")  # "32 workers on 2 CPUs"
+    import loader_datasets as ds
     import torch
     from torch.utils.data import RandomSampler
 
-    import loader_datasets as ds
     from poolloader import PoolLoader
 
     def fds():
@@ -507,9 +506,9 @@ def fd_limit(limit: str, workers: str, batches: str) -> None:
 def concurrent(tag: str, epochs: str) -> None:
     """One process, one loader over TaggedSamples(tag), started when the parent says
     `go`: checks every value of every batch and prints the pool prefixes it used."""
+    import robustness_datasets as rds
     import torch
 
-    import robustness_datasets as rds
     from poolloader import PoolLoader
 
     tag, n = int(tag), 40

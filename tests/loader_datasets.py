@@ -90,7 +90,8 @@ class SeedInfoDataset(Dataset):
 
     def __getitem__(self, i):
         info = get_worker_info()
-        return torch.tensor([i, info.id, info.num_workers, info.seed % 1000003, torch.initial_seed() % 1000003])
+        return torch.tensor([i, info.id, info.num_workers, info.seed % 1000003,
+                             torch.initial_seed() % 1000003])
 
 
 def record_init(worker_id):

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import gc
 
+import loader_datasets as ds
 import numpy as np
 import torch
+from test_loader import assert_same
 from torch.utils.data import default_collate
 
-import loader_datasets as ds
 from poolloader import collate as slot_collate_mod
 from poolloader import slot_collate, slot_empty
 from poolloader import slot_format as fmt
 from poolloader.pool import SlotPool
-from test_loader import assert_same
 
 
 def inside(t: torch.Tensor, mapping) -> bool:

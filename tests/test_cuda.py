@@ -3,10 +3,10 @@
 Skipped on machines without CUDA (the CPU paths of pin_memory and device= are in
 test_loader.py). bench/gpu.py runs the heavier checks on a GPU machine.
 """
+import loader_datasets as ds
 import pytest
 import torch
 
-import loader_datasets as ds
 from poolloader import PoolLoader
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

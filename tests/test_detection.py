@@ -20,11 +20,11 @@ from hypothesis import strategies as st
 from PIL import Image
 from torch.utils.data import DataLoader
 
+from fixtures.synthetic import CocoLikeDataset, FilledDetectionDataset, make_coco_like
 from poolloader import PoolLoader
 from poolloader import slot_format as fmt
 from poolloader.detection import DetectionCollate, PackedTargets, pack_targets
-from poolloader.pool import PAGE
-from fixtures.synthetic import CocoLikeDataset, FilledDetectionDataset, make_coco_like
+from poolloader.segments import PAGE
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="pinning needs CUDA")
 _END = object()

@@ -8,11 +8,11 @@ import signal
 import sys
 import warnings
 
+import loader_datasets as ds
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
-import loader_datasets as ds
 from poolloader import PoolLoader, WorkerDied
 
 BOTH = (DataLoader, PoolLoader)
@@ -184,7 +184,7 @@ def test_keyboard_interrupt_after_decode_loses_no_slot():
     line = first + next(i for i, text in enumerate(source) if "del _lease" in text)
     data = TensorDataset(torch.arange(40 * 20_000, dtype=torch.float32).view(40, 20_000))
     loader = PoolLoader(data, batch_size=2, num_workers=2, persistent_workers=True)
-    for epoch in range(3):
+    for _epoch in range(3):
         it = iter(loader)
         next(it)
         trace = _Interrupt(code, line)

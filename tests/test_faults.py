@@ -9,11 +9,11 @@ import sys
 import textwrap
 import time
 
+import loader_datasets as ds
 import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-import loader_datasets as ds
 from poolloader import PoolLoader, ShmSpaceError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -79,7 +79,9 @@ def test_growth_past_the_limit_is_a_clear_error():
 def test_segments_are_private_and_exclusive():
     """A pool whose worker never maps its segments keeps every name: each is checked."""
     import posix_ipc
-    from poolloader.pool import SlotPool, create_segment
+
+    from poolloader.pool import SlotPool
+    from poolloader.segments import create_segment
     pool = SlotPool(num_workers=1, slots=2, max_slots=2, slot_bytes=1 << 16)
     try:
         names = sorted(pool.live_names)

@@ -15,14 +15,14 @@ import time
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import Dataset
-
 from cuda_standin import SimCuda
 from helpers import running
+from torch.utils.data import Dataset
+
 from poolloader import PoolLoader, cuda, staging
 from poolloader.errors import CudaRegistrationError
-from poolloader.pool import NAME_TAG
 from poolloader.pool import SlotPool
+from poolloader.segments import NAME_TAG
 from poolloader.slot_format import DATA_OFF
 from poolloader.stats import LoaderStats
 
@@ -480,7 +480,8 @@ def test_gate_pins_like_dataloader_and_keeps_container_types():
     del batch, it
 
     # to_device keeps defaultdict (and its factory), namedtuples and batch types
-    moved = staging.to_device(collections.defaultdict(int, {"a": torch.ones(2), "p": Pair(torch.zeros(1), 1)}),
+    moved = staging.to_device(collections.defaultdict(int, {"a": torch.ones(2),
+                                                            "p": Pair(torch.zeros(1), 1)}),
                            "cpu", non_blocking=False)
     assert type(moved) is collections.defaultdict and moved.default_factory is int
     assert type(moved["p"]) is Pair and moved["a"].tolist() == [1.0, 1.0]

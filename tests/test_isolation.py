@@ -20,11 +20,12 @@ import time
 
 import numpy as np
 import pytest
-
 import robustness_datasets as rds
+
 from poolloader import ControlCorrupt, PoolLoader, SlotCorrupt
 from poolloader.control import Control
-from poolloader.pool import SlotPool, slot_name, sweep_stale
+from poolloader.pool import SlotPool
+from poolloader.segments import slot_name, sweep_stale
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHILDREN = os.path.join(HERE, "_isolation_children.py")

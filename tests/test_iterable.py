@@ -21,9 +21,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from poolloader import DetectionCollate, PackedTargets, PoolLoader
 from fixtures.shards import DecodeSample, read_samples, shard_urls, write_shards
 from fixtures.synthetic import make_coco_like
+from poolloader import DetectionCollate, PackedTargets, PoolLoader
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 

@@ -149,9 +149,9 @@ def test_fit_on_a_sized_webdataset_stream(tmp_path):
     # RF-DETR PR 1396's shape: WebDataset(...).map(...).batched(B) with a known length,
     # batch_size=None on the loader; Lightning reads len() for its epoch length.
     wds = pytest.importorskip("webdataset")
-    from poolloader import DetectionCollate
     from fixtures.shards import DecodeSample, shard_urls, write_shards
     from fixtures.synthetic import make_coco_like
+    from poolloader import DetectionCollate
 
     ann = make_coco_like(tmp_path / "coco", 16, seed=2, size=(96, 72))
     index = write_shards(tmp_path / "coco", ann, tmp_path / "shards", shard_bytes=40_960)

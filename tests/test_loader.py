@@ -9,14 +9,14 @@ import random
 import signal
 import time
 
+import loader_datasets as ds
 import numpy as np
 import pytest
 import torch
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorDataset
 
-import loader_datasets as ds
 from poolloader import PoolLoader, WorkerDied
-from poolloader.pool import NAME_TAG
+from poolloader.segments import NAME_TAG
 
 LOADERS = [DataLoader, PoolLoader]
 
@@ -27,7 +27,8 @@ def assert_same(a, b, path="batch"):
         if a.layout != torch.strided:
             assert torch.equal(a.to_dense(), b.to_dense()), path
             return
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
+        assert a.dtype == b.dtype and a.shape == b.shape, \
+            f"{path}: {a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
         assert a.stride() == b.stride(), f"{path}: strides {a.stride()} != {b.stride()}"
         assert torch.equal(a, b), f"{path}: values differ"
     elif isinstance(a, np.ndarray):
@@ -236,7 +237,7 @@ def test_open_descriptors_constant():
     loader = PoolLoader(data, batch_size=16, sampler=sampler, collate_fn=ds.rfdetr_collate,
                         num_workers=8)
     counts = []
-    for k, batch in enumerate(loader):
+    for k, _batch in enumerate(loader):
         if k in (5, 199):
             counts.append(len(os.listdir("/proc/self/fd")))
     assert k == 199

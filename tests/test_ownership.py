@@ -14,16 +14,16 @@ import time
 import types
 import warnings
 
+import loader_datasets as ds
 import pytest
 import torch
 import torch.multiprocessing as mp
+from test_loader import assert_same
 from torch.utils.data import DataLoader, TensorDataset
 
-import loader_datasets as ds
 from poolloader import PoolLoader
 from poolloader import slot_format as fmt
-from poolloader.pool import NAME_TAG
-from test_loader import assert_same
+from poolloader.segments import NAME_TAG
 
 BOTH = (DataLoader, PoolLoader)
 
@@ -186,7 +186,7 @@ def test_forked_child_reads_held_batches_while_the_parent_reuses_slots():
         held = [next(it) for _ in range(3)]
         expected = [h[0].clone() for h in held]
 
-        def then():
+        def then(held=held, it=it):
             held.clear()  # the parent drops them and iterates on: their slots come back
             gc.collect()
             for _ in it:
@@ -226,7 +226,7 @@ def test_requests_go_out_as_dataloaders_while_batches_are_held(in_order):
     for cls in BOTH:
         it = iter(cls(data, batch_size=2, num_workers=2, in_order=in_order, prefetch_factor=2))
         held, counts = [], []
-        for batch in quietly(lambda: list(_drive(it, counts))):
+        for batch in quietly(lambda it=it, counts=counts: list(_drive(it, counts))):
             held.append(batch)
         sent[cls] = counts
         delivered[cls] = sorted(int(b[0][0, 0]) for b in held)

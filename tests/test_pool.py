@@ -9,7 +9,8 @@ import os
 import pytest
 
 from poolloader.errors import ShmSpaceError
-from poolloader.pool import PAGE, SlotPool, WorkerSlots, page_round
+from poolloader.pool import SlotPool, WorkerSlots
+from poolloader.segments import PAGE, page_round
 
 
 def exists(name: str) -> bool:

@@ -14,12 +14,12 @@ import sys
 import threading
 import time
 
+import _ring_children as children
 import pytest
+from helpers import layout, make_shared, running, unlink_shared
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import _ring_children as children
-from helpers import layout, make_shared, running, unlink_shared
 from poolloader._ring import DOORBELL_BYTES, Doorbell, Ring
 from poolloader._shm import Mapping
 from poolloader.errors import RingClosed, RingTimeout

@@ -17,16 +17,16 @@ import threading
 import time
 import warnings
 
+import loader_datasets as ds
 import numpy as np
 import pytest
+import robustness_datasets as rds
 import torch
 from torch.utils.data import DataLoader
 
-import loader_datasets as ds
-import robustness_datasets as rds
 from poolloader import PoolLoader, SlotCorrupt, WorkerDied
 from poolloader import slot_format as fmt
-from poolloader.pool import NAME_TAG, create_segment, unlink_quietly
+from poolloader.segments import NAME_TAG, create_segment, unlink_quietly
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHILDREN = os.path.join(HERE, "_robustness_children.py")
@@ -503,7 +503,8 @@ def test_two_processes_with_their_own_loaders_at_once():
         ready = []
         for child in children:
             line = []
-            reader = threading.Thread(target=lambda c=child: line.append(c.stdout.readline()), daemon=True)
+            reader = threading.Thread(target=lambda c=child, line=line: line.append(c.stdout.readline()),
+                                      daemon=True)
             reader.start()
             reader.join(60)
             assert line and line[0].startswith("READY"), f"child not ready: {line}"

@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from fixtures import shards
-from fixtures.shards import (DecodeSample, decode_sample, read_index, read_samples,
-                            shard_urls, write_shards)
+from fixtures.shards import DecodeSample, decode_sample, read_index, read_samples, shard_urls, write_shards
 from fixtures.synthetic import CocoLikeDataset, make_coco_like
 
 SHARD_BYTES = 30_720  # three tar records: ~2-4 small samples per shard

@@ -2,6 +2,7 @@
 import time
 
 import loader_datasets as ds
+
 from poolloader import PoolLoader
 
 

@@ -1,0 +1,314 @@
+"""Shared-memory segments: names, creation, mapping, space checks, and who owns them.
+
+Every segment is created exclusively (O_EXCL) with mode 0600 under a name carrying
+the owner's pid and a random token, space-checked and reserved (posix_fallocate),
+and mapped with the descriptor closed right after (poolloader._shm.Mapping keeps
+none). SlotPool (pool.py) decides which segments a pool has; this module knows how
+one is made, named, found, judged stale and removed.
+Names: /pl2-<owner pid>-<token>-ctl for the control block and
+/pl2-<owner pid>-<token>-s<slot>-g<generation> for slots. The pid is only a hint
+for people reading /dev/shm: nothing here decides anything by it. "pl2" marks
+pools that hold an owner lock (below); the "pl-" names of an older poolloader,
+whose sweep judges by pid, are neither judged here nor matched by its sweep, so
+two versions sharing a host leave each other alone.
+
+Ownership across jobs. /dev/shm is shared by every process on the host and often
+by several containers (docker --ipc=host, a pod's memory volume), each with its
+own PID namespace, so a pid in a name cannot say whether the owner lives: it may
+belong to another namespace, or have been reused. The owner's liveness is an open
+file description lock instead: main takes a write lock over its control segment
+(fcntl F_OFD_SETLK) when it creates it and holds it, on the one descriptor it
+keeps per pool, until close(). The kernel drops it when that descriptor closes,
+however the process ends (SIGKILL included), and every process that shares the
+tmpfs sees it, whatever its PID namespace, because it lives on the inode.
+
+* sweep_stale() (each new pool runs it) removes a pool's names only after taking
+  that lock itself, which proves the owner gone: slot names first, the control
+  name last, while holding it. Names whose control segment is absent are left
+  alone: a pool made here creates its control name first and removes it last,
+  so nothing says whose such names are (an older poolloader's, say).
+* OwnerProbe, the workers' parent-death check, asks the kernel whether the lock
+  is still held (F_OFD_GETLK) on the worker's own descriptor of the same inode:
+  exact under fork, spawn and forkserver (a dead forkserver says nothing about
+  main), and pid reuse cannot fool it.
+* So the control name stays for the pool's whole life (slot names still go as
+  soon as every worker has mapped them), and a child that os.fork() makes in
+  main closes its inherited copy of the lock's descriptor at once (an at-fork
+  hook; exec closes it too): a long-lived child must not keep a dead main's pool
+  "alive". A raw C fork() without exec would keep it until that child exits.
+* Between creating its control segment and locking it a new owner is exposed
+  for a moment; it checks afterwards that it holds the lock and that the name
+  still leads to its inode, and otherwise starts over under a new token.
+
+Weighed and not taken (issue 13): names carrying the PID namespace's identity,
+with each namespace sweeping only its own, still judge by pid inside it (reuse)
+and never reclaim a dead job's names from another namespace; DALI's way (unlink
+at once, descriptors passed with SCM_RIGHTS) needs no sweep, but needs a
+descriptor channel to every worker for every slot growth, and says nothing about
+parent death. The lock costs one descriptor per pool in main (constant in
+workers, batches and tensors) and one fcntl per idle worker tick.
+
+Everything a worker can write is untrusted here: main keeps its own copies of
+what it wrote (generations, the growth counter, slot counts) and checks the ack
+table against them; the worker side bounds what it reads by the shape it
+validated when it attached (see control.py).
+
+Main's segments are mapped with MADV_DONTFORK, so a child forked later (any
+loader's workers) does not inherit them, but it does inherit the Python objects
+that point at them; every teardown path here and in the iterator does nothing
+in a process other than the one that made the pool.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import os
+import re
+
+import posix_ipc
+
+from poolloader._shm import Mapping
+from poolloader.errors import ShmSpaceError
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+SHM_DIR = "/dev/shm"
+SHM_LIMIT_ENV = "POOLLOADER_SHM_LIMIT"
+NAME_TAG = "pl2"  # first part of every name (module docstring)
+_POOL_RE = re.compile(rf"^({NAME_TAG}-\d+-[0-9a-f]+)-")  # group 1: a pool's prefix, without "/"
+# How many fresh tokens a new pool tries when a sweeper races its control segment.
+_CLAIM_TRIES = 8
+
+
+def page_round(nbytes: int) -> int:
+    return max(PAGE, (nbytes + PAGE - 1) // PAGE * PAGE)
+
+
+def control_name(prefix: str) -> str:
+    return f"{prefix}-ctl"
+
+
+def slot_name(prefix: str, slot: int, generation: int) -> str:
+    return f"{prefix}-s{slot}-g{generation}"
+
+
+def shm_free_bytes() -> int:
+    st = os.statvfs(SHM_DIR)
+    return st.f_bavail * st.f_frsize
+
+
+# -- the owner lock ------------------------------------------------------------------
+
+class _Flock(ctypes.Structure):
+    """struct flock as Linux's F_OFD_* commands read it (64-bit offsets)."""
+    _fields_ = [("l_type", ctypes.c_short), ("l_whence", ctypes.c_short),
+                ("l_start", ctypes.c_int64), ("l_len", ctypes.c_int64), ("l_pid", ctypes.c_int)]
+
+
+def _ofd_lock(fd: int, command: int) -> _Flock:
+    """A write lock over the whole file: set it (F_OFD_SETLK) or test for one (F_OFD_GETLK)."""
+    request = _Flock(fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)
+    return _Flock.from_buffer_copy(fcntl.fcntl(fd, command, bytes(request)))
+
+
+def _take_owner_lock(fd: int) -> bool:
+    """Take the owner lock on `fd`'s open file description; False if someone holds it."""
+    try:
+        _ofd_lock(fd, fcntl.F_OFD_SETLK)
+    except OSError as e:
+        if e.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        if e.errno == errno.EINVAL:
+            raise OSError(e.errno, "poolloader needs open file description locks (fcntl "
+                          "F_OFD_SETLK, Linux 3.15 or later) on /dev/shm") from None
+        raise
+    return True
+
+
+def _owner_lock_held(fd: int) -> bool:
+    """Whether another open file description holds a lock on `fd`'s file."""
+    return _ofd_lock(fd, fcntl.F_OFD_GETLK).l_type != fcntl.F_UNLCK
+
+
+_held_lock_fds: set[int] = set()  # owner-lock descriptors of this process's live pools
+
+
+def _close_inherited_locks() -> None:
+    # In a child of os.fork(): main's locks are main's, not this child's to keep alive.
+    for fd in _held_lock_fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _held_lock_fds.clear()
+
+
+os.register_at_fork(after_in_child=_close_inherited_locks)
+
+
+class _NameLost(Exception):
+    """A sweeper took a new control segment's name before its owner could lock it."""
+
+
+class OwnerProbe:
+    """Worker side: whether the owner of a pool still lives.
+
+    Opens the pool's control segment by name once and keeps that descriptor (one
+    per worker); is_alive() is one fcntl asking whether main's owner lock is still
+    held (see the module docstring). If the control name is already gone, the
+    owner closed the pool or died and was swept: is_alive() is False.
+    """
+
+    def __init__(self, prefix: str):
+        try:
+            shm = posix_ipc.SharedMemory(control_name(prefix))
+        except posix_ipc.ExistentialError:
+            self._fd = None
+        else:
+            self._fd = shm.fd
+
+    def is_alive(self) -> bool:
+        return self._fd is not None and _owner_lock_held(self._fd)
+
+
+def _pool_names(prefix: str) -> list[str]:
+    """Every name in /dev/shm of the pool `prefix`, slot names before the control name."""
+    stem = prefix.lstrip("/") + "-"
+    try:
+        names = ["/" + entry for entry in os.listdir(SHM_DIR) if entry.startswith(stem)]
+    except OSError:
+        return []
+    return sorted(names, key=lambda name: name == control_name(prefix))
+
+
+def sweep_stale() -> list[str]:
+    """Unlink the names of every pool whose owner is gone; return them (without "/").
+
+    Only names under a control segment whose owner lock this call could take go;
+    see the module docstring. One open and one fcntl per pool found in /dev/shm.
+    """
+    try:
+        entries = os.listdir(SHM_DIR)
+    except OSError:
+        return []
+    prefixes = {"/" + m.group(1) for m in map(_POOL_RE.match, entries) if m}
+    removed = []
+    for prefix in sorted(prefixes):
+        removed += _sweep_pool(prefix)
+    return [name.lstrip("/") for name in removed]
+
+
+def _sweep_pool(prefix: str) -> list[str]:
+    try:
+        shm = posix_ipc.SharedMemory(control_name(prefix))
+    except posix_ipc.ExistentialError:
+        return []  # no control segment: nothing says whose these names are
+    except posix_ipc.PermissionsError:
+        return []  # another user's pool: not ours to judge
+    try:
+        if not _take_owner_lock(shm.fd):
+            return []  # its owner lives (or another sweeper is at it)
+        removed = []
+        for name in _pool_names(prefix):  # listed again under the lock: all of them
+            try:
+                posix_ipc.unlink_shared_memory(name)
+                removed.append(name)
+            except (posix_ipc.ExistentialError, posix_ipc.PermissionsError):
+                pass
+        return removed
+    finally:
+        shm.close_fd()  # drops our lock
+
+
+def unlink_quietly(name: str) -> None:
+    try:
+        posix_ipc.unlink_shared_memory(name)
+    except posix_ipc.ExistentialError:
+        pass
+
+
+def create_segment(name: str, nbytes: int, what: str, pool_bytes: int, limit: int | None,
+                   dontfork: bool = True) -> Mapping:
+    """Create, reserve and map `nbytes` under `name`; the name stays until unlinked.
+
+    Checks free space in /dev/shm and the optional cap first, then reserves the
+    pages with posix_fallocate: on tmpfs an unreserved segment would be created
+    fine and kill its first writer with SIGBUS once the space runs out.
+    """
+    mapping, _ = _create(name, nbytes, what, pool_bytes, limit, dontfork, claim=False)
+    return mapping
+
+
+def _create(name: str, nbytes: int, what: str, pool_bytes: int, limit: int | None,
+            dontfork: bool, claim: bool) -> tuple[Mapping, int | None]:
+    """create_segment; with `claim`, also take the owner lock and return the locked
+    descriptor (the caller keeps it), or raise _NameLost if a sweeper got there first."""
+    free = shm_free_bytes()
+    if limit is not None and pool_bytes + nbytes > limit:
+        raise ShmSpaceError(
+            f"poolloader needs {nbytes} more bytes of shared memory for {what}, which would "
+            f"bring the pool to {pool_bytes + nbytes} bytes, over the cap of {limit} bytes "
+            f"(shm_limit= or ${SHM_LIMIT_ENV}); {free} bytes are free in {SHM_DIR}. "
+            "Raise the cap, or lower slot_bytes, prefetch_factor or num_workers.")
+    if nbytes > free:
+        raise _space_error(nbytes, free, what)
+    shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=nbytes)
+    keep_fd = False
+    try:
+        # A sweeper may have opened the name before we locked it: then it holds the
+        # lock (we fail to take it) or has already unlinked the name.
+        if claim and not (_take_owner_lock(shm.fd) and _same_file(SHM_DIR + name, shm.fd)):
+            raise _NameLost(name)
+        try:
+            os.posix_fallocate(shm.fd, 0, nbytes)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+                raise _space_error(nbytes, shm_free_bytes(), what) from None
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+        mapping = Mapping(shm.fd, nbytes, dontfork)
+        keep_fd = claim
+        return mapping, (shm.fd if claim else None)
+    except BaseException:
+        unlink_quietly(name)  # ours alone (random token), if a sweeper left it
+        raise
+    finally:
+        if not keep_fd:
+            shm.close_fd()
+
+
+def _same_file(path: str, fd: int) -> bool:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
+
+
+def open_segment(name: str) -> Mapping:
+    """Map all of an existing segment by name (worker side); the descriptor is closed at once.
+
+    The size comes from the segment itself, not from the control block: main may be
+    rewriting a slot's table row while a worker reads it.
+    """
+    shm = posix_ipc.SharedMemory(name)
+    try:
+        return Mapping(shm.fd, shm.size)
+    finally:
+        shm.close_fd()
+
+
+def _space_error(nbytes: int, free: int, what: str) -> ShmSpaceError:
+    return ShmSpaceError(
+        f"poolloader needs {nbytes} bytes of {SHM_DIR} for {what}, but only {free} bytes are "
+        f"free. Enlarge {SHM_DIR} (Docker: --shm-size=2g or larger; Kubernetes: an emptyDir "
+        "with medium: Memory), or lower slot_bytes, prefetch_factor or num_workers.")
+
+
+def retire(mapping) -> None:
+    """Unmap now if nothing views the mapping; otherwise its last view unmaps it."""
+    try:
+        mapping.close()
+    except BufferError:
+        pass
