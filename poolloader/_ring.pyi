@@ -1,18 +1,21 @@
 """Types of the compiled ring module (poolloader/_ring.pyx over csrc/ring.h)."""
 from typing import Any
 
+from typing_extensions import Self, disjoint_base
+
 RING_HEADER_BYTES: int
 DOORBELL_BYTES: int
 
 def ring_nbytes(capacity: int) -> int: ...
 
+@disjoint_base
 class Ring:
     capacity: int
     label: str
     buffer: Any
     offset: int
-    def __init__(self, buffer: Any, offset: int = 0, capacity: int | None = None, *,
-                 label: str = "ring") -> None: ...
+    def __new__(cls, buffer: Any, offset: int = 0, capacity: int | None = None, *,
+                label: str = "ring") -> Self: ...
     @staticmethod
     def nbytes(capacity: int) -> int: ...
     def __len__(self) -> int: ...
@@ -27,6 +30,6 @@ class Ring:
 class Doorbell:
     buffer: Any
     offset: int
-    def __init__(self, buffer: Any, offset: int = 0, create: bool = False) -> None: ...
+    def __new__(cls, buffer: Any, offset: int = 0, create: bool = False) -> Self: ...
     def ring(self) -> None: ...
     def wait(self, timeout: float) -> bool: ...
