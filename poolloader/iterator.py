@@ -110,7 +110,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
     def _reset(self, loader, first_iter=False) -> None:
         if self._shutdown and not first_iter:
             raise RuntimeError(self._dead_message())
-        self._resume.begin_epoch(first_iter)  # before the sampler's iterator draws anything
+        self._resume.begin_epoch()  # before the sampler's iterator draws anything
         _BaseDataLoaderIter._reset(self, loader, first_iter)
         if self._staged is not None:
             self._stager.wait(self._staged)  # its copy reads a slot about to be reused
@@ -130,7 +130,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         self._workers_num_tasks = [0] * self._num_workers
         self._worker_queue_idx_cycle = itertools.cycle(range(self._num_workers))
         self._sampler_exhausted = False
-        self._resume.position_epoch(self)  # a loaded state: sampler, round robin, counters
+        self._resume.position_epoch(self, first_iter)  # after _reclaim_all; applies a loaded state
         for _ in range(self._prefetch_factor * self._num_workers):
             self._try_put_index()
 

@@ -322,20 +322,22 @@ class ResumeTracker:
         return plan
 
     # -- epochs (the iterator's _reset) --------------------------------------
-    def begin_epoch(self, first: bool) -> None:
-        """Before the sampler's iterator of the epoch is made: record where the main
-        process's generators stand. A later epoch of persistent workers starts each
-        worker where its last reply left it."""
+    def begin_epoch(self) -> None:
+        """Before the epoch's sampler iterator is made: where the main process's
+        generators stand, i.e. what the sampler will draw from."""
+        self._next_epoch_rng = main_rng(self.generators)
+
+    def position_epoch(self, it, first: bool) -> None:
+        """After the previous epoch's replies are all in (persistent workers) and the
+        epoch's sampler iterator and round robin exist, before the first request.
+        A later epoch of persistent workers starts each worker where its last reply
+        left it. A loaded state is applied here (sampler, round robin, counters)."""
         if not first:
             for worker, seq, blob, _error in self.handing:
                 self.seen(worker, seq, blob)
             self.epoch_blob = [blob for _seq, blob in self.latest]
             self._new_epoch_counters()
-        self.epoch_rng = main_rng(self.generators)
-
-    def position_epoch(self, it) -> None:
-        """After the epoch's sampler iterator and round robin exist, before the first
-        request: apply a loaded state (sampler, round robin, counters)."""
+        self.epoch_rng = self._next_epoch_rng
         self.sampler_stateful = is_stateful(self.index_sampler) or is_stateful(it._sampler_iter)
         plan, self.plan = self.plan, None
         if plan is not None and not plan.finished:
