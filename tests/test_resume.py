@@ -326,3 +326,95 @@ def test_per_batch_record_is_small():
     blob = loader._resume_tracker.delivered[0]
     assert 0 < len(blob) <= 16384
     del it
+
+
+# ---------------------------------------------------------------------------
+# Lightning: a Trainer.fit preempted mid-epoch, resumed from its checkpoint
+
+class _Preempted(Exception):
+    pass
+
+
+@pytest.mark.parametrize("loader", ["pool", "stateful"])
+def test_lightning_fit_preempted_mid_epoch_resumes_the_remaining_batches(tmp_path, loader):
+    """Lightning saves a loader's state in its checkpoint when the loader has
+    state_dict()/load_state_dict() (fit_loop's "combined_loader" entry) and loads it
+    back before iterating. Run A: one uninterrupted epoch. Run B: the same, with a
+    checkpoint after step 5 and an exception at step 6 (a preemption). Run C: a new
+    Trainer, a new model and a new PoolLoader, differently seeded, fit(ckpt_path=...):
+    it must train on exactly A's batches 6..12, values included. The same with
+    torchdata's StatefulDataLoader: the indices resume, the augmented values do not."""
+    pl = pytest.importorskip("lightning.pytorch")
+    if loader == "stateful" and not HAVE_TORCHDATA:
+        pytest.skip("torchdata (StatefulDataLoader) is not installed")
+    from torch import nn
+    from torch.utils.data import Dataset
+
+    class Augmented(Dataset):
+        def __len__(self):
+            return 48
+
+        def __getitem__(self, i):
+            x = torch.rand(4) + float(np.random.rand()) + random.random()
+            return torch.tensor(i), x
+
+    class Model(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(4, 1)
+            self.seen = []
+
+        def training_step(self, batch, batch_idx):
+            index, x = batch
+            self.seen.append((index.tolist(), x.numpy().tobytes()))
+            return self.layer(x).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    class PreemptAt(pl.Callback):
+        def __init__(self, step):
+            self.step = step
+
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            if batch_idx == self.step:
+                raise _Preempted(f"preempted before batch {batch_idx}")
+
+    class Data(pl.LightningDataModule):
+        def train_dataloader(self):
+            if loader == "stateful":
+                from torchdata.stateful_dataloader import StatefulDataLoader as Loader
+            else:
+                Loader = PoolLoader
+            return Loader(Augmented(), batch_size=4, shuffle=True, num_workers=2,
+                          persistent_workers=True)
+
+    def trainer(**kw):
+        return pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False,
+                          enable_progress_bar=False, enable_model_summary=False,
+                          default_root_dir=tmp_path, **kw)
+
+    pl.seed_everything(0, verbose=False)
+    full = Model()
+    trainer(enable_checkpointing=False).fit(full, Data())
+    assert len(full.seen) == 12
+
+    pl.seed_everything(0, verbose=False)
+    first = Model()
+    checkpoint = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=5,
+                                              save_top_k=-1)
+    with pytest.raises(_Preempted):
+        trainer(callbacks=[checkpoint, PreemptAt(6)]).fit(first, Data())
+    assert first.seen == full.seen[:6]
+    path = tmp_path / "ckpt" / "epoch=0-step=5.ckpt"
+    saved = torch.load(path, weights_only=True)["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+    assert saved[0][resume_mod.SNAPSHOT][resume_mod.SNAPSHOT_STEP] == 5
+
+    pl.seed_everything(1234, verbose=False)
+    rest = Model()
+    trainer(enable_checkpointing=False).fit(rest, Data(), ckpt_path=path)
+    assert [s[0] for s in rest.seen] == [s[0] for s in full.seen[5:]]
+    if loader == "pool":
+        assert rest.seen == full.seen[5:]
+    else:  # its workers restart from their seeds: other augmentations
+        assert sum(a != b for a, b in zip(rest.seen, full.seen[5:])) >= 1
