@@ -288,6 +288,7 @@ class ResumeTracker:
         self.plan = plan
         self.fast_forward_index = next(iter(it._index_sampler)) if self.iterable else None
         self.epoch_blob: list = [None] * n   # each worker's record at this epoch's start
+        self._decoded: dict = {}  # worker -> (record, epoch record, snapshot): state_dict()'s cache
         self._new_epoch_counters()
         if plan is not None and plan.finished:
             # a new epoch after the saved one: the sampler's generators as they were then
@@ -490,6 +491,17 @@ class ResumeTracker:
         }
 
     def _worker_snapshot(self, worker: int, delivered, epoch_start) -> dict:
+        # decoded once per new record: a caller that saves every step decodes only
+        # the workers that delivered since (the snapshot's values are immutable but
+        # for the RNG tensors, which nothing writes)
+        cached = self._decoded.get(worker)
+        if cached is not None and cached[0] is delivered and cached[1] is epoch_start:
+            return dict(cached[2])
+        snapshot = self._decode_worker(worker, delivered, epoch_start)
+        self._decoded[worker] = (delivered, epoch_start, snapshot)
+        return dict(snapshot)
+
+    def _decode_worker(self, worker: int, delivered, epoch_start) -> dict:
         post, start = _record(delivered), _record(epoch_start)
         start_rng, start_dataset = (start[0], start[1]) if start else (None, None)
         snapshot = {WORKER_ID: worker, WORKER_EPOCH_RNG: start_rng, WORKER_EPOCH_DATASET: start_dataset}
