@@ -22,8 +22,11 @@ Three measures, each side by side in one run:
    of the batch. Reported: µs per batch, median over the batches of a round,
    then median [min–max] over ``--rounds`` rounds; the difference of medians is
    the change's cost (a few µs are within the noise of a shared machine: the
-   spread is shown). The operations the change adds per batch are also timed
-   alone (copy of the worker's record out of a real slot, the tracker's hand-over).
+   spread is shown). Then the same loop in one process with the iterator's resume
+   hooks on and swapped for the pre-change path (the main process's side alone,
+   workers unchanged), and the operations the change adds per batch timed alone
+   (copy of the worker's record out of a real slot, the tracker's hand-over, a
+   sampler draw through the tracker).
 
 3. The worker's side: what each worker adds per batch (capture of its RNG states,
    pickled with its dataset position), timed in this process with the code the
@@ -168,6 +171,60 @@ def per_batch_child(batches: int, sleep_s: float) -> None:
     del it, loader
     print(json.dumps({"median_us": statistics.median(times) * 1e6,
                       "cpu_us": sum(cpu) / len(cpu) * 1e6}))
+
+
+def hooks_ab(rounds: int, batches: int, sleep_s: float) -> dict:
+    """The same loop in this process, this tree, with the iterator's resume hooks on
+    and swapped for the pre-change path (no record copied, no hand-over, DataLoader's
+    own __next__ and _next_index); iterators alternate. Workers capture in both arms:
+    this isolates the main process's side."""
+    from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+    from poolloader import PoolLoader
+    from poolloader import resume
+    from poolloader.iterator import PoolLoaderIter
+
+    class Quiet(resume.ResumeTracker):
+        def next_index(self, sampler_iter, seq):
+            return next(sampler_iter)
+
+        def received(self, *args):
+            pass
+
+        def commit(self):
+            pass
+
+    class Off(PoolLoaderIter):
+        __next__ = _BaseDataLoaderIter.__next__
+
+        def _reply_record(self, slot):
+            return None
+
+    def run(off: bool) -> tuple:
+        loader = PoolLoader(One(), batch_size=None, num_workers=2)
+        it = iter(loader)
+        if off:
+            it.__class__, it._resume.__class__ = Off, Quiet
+        for _ in range(20):
+            next(it)
+        wall, cpu = [], []
+        for _ in range(batches):
+            time.sleep(sleep_s)
+            t0, c0 = time.perf_counter(), time.thread_time()
+            batch = next(it)
+            del batch
+            cpu.append(time.thread_time() - c0)
+            wall.append(time.perf_counter() - t0)
+        del it, loader
+        return statistics.median(wall) * 1e6, sum(cpu) / len(cpu) * 1e6
+
+    out = {"on": {"wall": [], "cpu": []}, "off": {"wall": [], "cpu": []}}
+    for r in range(2 * rounds):
+        for arm in (("on", "off") if r % 2 == 0 else ("off", "on")):
+            wall, cpu = run(arm == "off")
+            out[arm]["wall"].append(wall)
+            out[arm]["cpu"].append(cpu)
+    return out
 
 
 def baseline_tree(rev: str, where: str) -> str:
@@ -335,6 +392,18 @@ def main() -> None:
           f"bytes) {med_range(ops['copy_record_us'], spec='.2f')} µs; tracker hand-over "
           f"{med_range(ops['hand_over_us'], spec='.2f')} µs; sampler draw through the tracker "
           f"{med_range(ops['next_index_us'], spec='.2f')} µs.\n")
+    ab = hooks_ab(args.rounds, args.batches, args.sleep_ms / 1000)
+    raw["hooks_ab_us"] = ab
+    print(f"next()+del of a waiting one-tensor batch, 2 workers, in this process: the resume "
+          f"hooks on, and swapped for the pre-change path; wall (median of {args.batches} "
+          f"batches) and main-thread CPU (mean per batch), median [min–max] of {2 * args.rounds} "
+          "rounds, alternating:\n")
+    print("| main path | wall µs per batch | main-thread CPU µs per batch |\n|---|---:|---:|")
+    for arm, label in (("off", "pre-change (hooks off)"), ("on", "with resume hooks")):
+        print(f"| {label} | {med_range(ab[arm]['wall'])} | {med_range(ab[arm]['cpu'])} |")
+    print(f"\nDifference of medians: wall "
+          f"{statistics.median(ab['on']['wall']) - statistics.median(ab['off']['wall']):+.1f} µs, CPU "
+          f"{statistics.median(ab['on']['cpu']) - statistics.median(ab['off']['cpu']):+.1f} µs per batch.\n")
     if args.baseline:
         tmp = tempfile.mkdtemp(prefix="plstate-")
         try:

@@ -35,6 +35,11 @@ class PoolLoader(DataLoader[T_co]):
                   on a side stream one batch ahead, from the page-locked slots,
                   and yields device tensors safe to use on the current stream.
     Nothing is created until the loader is iterated. `stats` holds counters.
+
+    `state_dict()` / `load_state_dict()` resume mid-epoch, bit-identically,
+    random augmentation in workers included, with torchdata StatefulDataLoader's
+    layout and keys (Lightning saves and restores it by itself): see
+    poolloader.resume.
     """
 
     def __init__(self, dataset, batch_size=1, shuffle=None, sampler=None, batch_sampler=None,

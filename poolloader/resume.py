@@ -495,11 +495,13 @@ class ResumeTracker:
         # the workers that delivered since (the snapshot's values are immutable but
         # for the RNG tensors, which nothing writes)
         cached = self._decoded.get(worker)
-        if cached is not None and cached[0] is delivered and cached[1] is epoch_start:
-            return dict(cached[2])
-        snapshot = self._decode_worker(worker, delivered, epoch_start)
-        self._decoded[worker] = (delivered, epoch_start, snapshot)
-        return dict(snapshot)
+        if cached is None or cached[0] is not delivered or cached[1] is not epoch_start:
+            cached = (delivered, epoch_start, self._decode_worker(worker, delivered, epoch_start))
+            self._decoded[worker] = cached
+        snapshot = dict(cached[2])  # the caller's to change
+        if snapshot[FETCHER_STATE] is not None:
+            snapshot[FETCHER_STATE] = dict(snapshot[FETCHER_STATE])
+        return snapshot
 
     def _decode_worker(self, worker: int, delivered, epoch_start) -> dict:
         post, start = _record(delivered), _record(epoch_start)
