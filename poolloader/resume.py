@@ -143,7 +143,21 @@ def set_rng(plain: dict) -> None:
     random.setstate((version, tuple(internal), gauss))
     name, key, pos, has_gauss, cached = plain["numpy"]
     np.random.set_state((name, np.frombuffer(key, np.uint32).copy(), pos, has_gauss, cached))
-    torch.set_rng_state(plain["torch"])
+    state = plain["torch"]
+    if not isinstance(state, torch.Tensor):
+        state = torch.frombuffer(bytearray(state), dtype=torch.uint8)
+    torch.set_rng_state(state)
+
+
+def _for_worker(plain: dict | None) -> dict | None:
+    """An RNG state to hand a worker at start: its torch part as bytes, so the worker's
+    arguments carry no tensor (spawn would send one through torch's fd passing)."""
+    if plain is None:
+        return None
+    state = plain["torch"]
+    if isinstance(state, torch.Tensor):
+        state = state.contiguous().numpy().tobytes()
+    return dict(plain, torch=state)
 
 
 def sampler_generators(loader) -> list:
@@ -606,10 +620,12 @@ class ResumePlan:
                 return None  # a fresh epoch of fresh workers
             # a persistent worker starts the next epoch where its last reply left it
             rng, dataset_state = s.get(WORKER_EPOCH_RNG), s.get(WORKER_EPOCH_DATASET)
-            return {DATASET_STATE: dataset_state, WORKER_EPOCH_RNG: rng, WORKER_RNG: None,
-                    WORKER_FETCHED: 0, FETCHER_STATE: None}
-        return {DATASET_STATE: s.get(DATASET_STATE), WORKER_EPOCH_RNG: s.get(WORKER_EPOCH_RNG),
-                WORKER_RNG: s.get(WORKER_RNG), WORKER_FETCHED: int(s.get(WORKER_FETCHED, 0) or 0),
+            return {DATASET_STATE: dataset_state, WORKER_EPOCH_RNG: _for_worker(rng),
+                    WORKER_RNG: None, WORKER_FETCHED: 0, FETCHER_STATE: None}
+        return {DATASET_STATE: s.get(DATASET_STATE),
+                WORKER_EPOCH_RNG: _for_worker(s.get(WORKER_EPOCH_RNG)),
+                WORKER_RNG: _for_worker(s.get(WORKER_RNG)),
+                WORKER_FETCHED: int(s.get(WORKER_FETCHED, 0) or 0),
                 FETCHER_STATE: s.get(FETCHER_STATE)}
 
 

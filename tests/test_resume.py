@@ -65,6 +65,7 @@ CASES = {
     "map_persistent_after_break": (dict(MAP, shuffle=True, persistent_workers=True, generator=5), 1, (3,), 1),
     "map_persistent_no_generator": (dict(MAP, shuffle=True, persistent_workers=True), 7, 0, 1),
     "map_after_epoch_end": (dict(MAP, shuffle=True, generator=11), "end", 0, 1),
+    "map_spawn": (dict(MAP, shuffle=True, multiprocessing_context="spawn"), 4, 0, 1),
     "map_three_workers": (dict(MAP, shuffle=True, num_workers=3, prefetch_factor=3), 8, 0, 1),
     "stream_fast_forward": (dict(STREAM), 5, 0, 1),
     "stream_persistent_epoch2": (dict(STREAM, persistent_workers=True), 3, 1, 2),
