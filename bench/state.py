@@ -319,7 +319,8 @@ def main() -> None:
     parser.add_argument("--json", help="write every raw number here")
     parser.add_argument("--workers", default="2,8,32")
     parser.add_argument("--calls", type=int, default=50)
-    parser.add_argument("--baseline", default="origin/main", help="git revision to compare the per-batch cost with ('' to skip)")
+    parser.add_argument("--baseline", default="origin/main",
+                        help="git revision to compare the per-batch cost with ('' to skip)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--batches", type=int, default=300)
     parser.add_argument("--sleep-ms", type=float, default=2.0)

@@ -125,9 +125,9 @@ def is_stateful(obj) -> bool:
 
 def capture_rng() -> tuple:
     version, internal, gauss = random.getstate()
-    name, key, pos, has_gauss, cached = np.random.get_state()
+    name, key, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
     return ((version, array("I", internal).tobytes(), gauss),
-            (name, key.tobytes(), pos, has_gauss, cached),
+            (name, np.asarray(key).tobytes(), pos, has_gauss, cached),
             torch.get_rng_state().numpy().tobytes())
 
 
@@ -162,7 +162,7 @@ def _for_worker(plain: dict | None) -> dict | None:
 
 def sampler_generators(loader) -> list:
     """The torch.Generators the loader's sampler draws from besides the global RNG."""
-    found = []
+    found: list[torch.Generator] = []
     index_sampler = loader._index_sampler
     for obj in (loader.generator, index_sampler, getattr(index_sampler, "sampler", None), loader.sampler):
         g = obj if isinstance(obj, torch.Generator) else getattr(obj, "generator", None)
@@ -188,7 +188,7 @@ def _set_generators(states, generators) -> None:
             f"this state was saved by a loader whose sampler drew from {len(states)} "
             f"torch.Generator(s); this loader's draws from {len(generators)}: build the loader "
             "with the same sampler and generator= as the one that saved it")
-    for g, s in zip(generators, states):
+    for g, s in zip(generators, states, strict=True):
         g.set_state(s)
 
 
@@ -307,8 +307,12 @@ class ResumeTracker:
         if plan is not None and plan.finished:
             # a new epoch after the saved one: the sampler's generators as they were then
             _set_generators(plan.generators_now, self.generators)
-            if not self.persistent:  # DataLoader draws a new base seed for each epoch
-                it._base_seed = torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item()
+            if not self.persistent and loader.generator is not None:
+                # DataLoader draws each epoch's base seed from it: draw again, from its
+                # restored state (without generator= the seed came from the global RNG,
+                # as DataLoader's would)
+                it._base_seed = torch.empty((), dtype=torch.int64).random_(
+                    generator=loader.generator).item()
         if plan is not None and (self.persistent or not plan.finished):
             it._base_seed = plan.base_seed
         self.base_seed = it._base_seed
@@ -317,16 +321,17 @@ class ResumeTracker:
         n = self.num_workers
         self.delivered: list = [None] * n    # record after each worker's last delivered batch
         self.latest: list = [(-1, b) for b in self.epoch_blob]  # (seq, record) of its newest reply
-        self.handing = collections.deque()  # (worker, seq, record, error): taken, not yet handed over
+        # (worker, seq, record, error): taken from a worker, not yet handed to the caller
+        self.handing: collections.deque[tuple[int, int, bytes | None, bool]] = collections.deque()
         self.position = 0        # sampler items consumed by the batches handed over (in order)
         self.draws = 0           # sampler items drawn
         self.yielded = 0
         self.last_worker = n - 1
         self.finished = False
         self.pending: dict = {}  # in_order=False: seq -> index, sent and not handed over
-        self.replay = collections.deque()
-        self.snapshots = collections.deque()  # (draws, (index sampler state, sampler iter state))
-        self.epoch_rng = None
+        self.replay: collections.deque = collections.deque()
+        self.snapshots: collections.deque = collections.deque()  # (draws, (sampler state, iterator state))
+        self.epoch_rng: dict | None = None
 
     def worker_plan(self, worker: int) -> dict | None:
         if self.plan is None:
@@ -427,7 +432,7 @@ class ResumeTracker:
             self.pending[seq] = index
         return index
 
-    def received(self, worker: int, seq: int, blob: bytes, error: bool) -> None:
+    def received(self, worker: int, seq: int, blob: bytes | None, error: bool) -> None:
         """A reply main took (decoded, or about to raise): handed over at commit()."""
         self.handing.append((worker, seq, blob, error))
 
@@ -466,8 +471,9 @@ class ResumeTracker:
     def state_dict(self) -> dict:
         n = self.num_workers
         if self.finished:
-            workers = {worker_key(w): self._worker_snapshot(w, None, self.latest[w][1] if self.persistent else None)
-                       for w in range(n)}
+            # the next epoch: persistent workers start where their last reply left them
+            workers = {worker_key(w): self._worker_snapshot(
+                w, None, self.latest[w][1] if self.persistent else None) for w in range(n)}
         else:
             workers = {worker_key(w): self._worker_snapshot(w, self.delivered[w], self.epoch_blob[w])
                        for w in range(n)}
@@ -603,9 +609,10 @@ class ResumePlan:
         """(after its last delivered batch, at the epoch's start) as tracker records."""
         s = self.worker_snapshot(worker)
         fetcher_state = s.get(FETCHER_STATE) or {}
-        post = (s.get(WORKER_RNG), s.get(DATASET_STATE), fetcher_state.get(DATASET_ITER_STATE),
-                int(s.get(WORKER_FETCHED, 0) or 0), bool(fetcher_state.get(FETCHER_ENDED, False)))
-        if post[0] is None and post[1] is None and post[2] is None and not post[3]:
+        post: tuple | None = (
+            s.get(WORKER_RNG), s.get(DATASET_STATE), fetcher_state.get(DATASET_ITER_STATE),
+            int(s.get(WORKER_FETCHED, 0) or 0), bool(fetcher_state.get(FETCHER_ENDED, False)))
+        if post is not None and post[0] is None and post[1] is None and post[2] is None and not post[3]:
             post = None
         start = None
         if s.get(WORKER_EPOCH_RNG) is not None or s.get(WORKER_EPOCH_DATASET) is not None:
@@ -698,7 +705,7 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         self._IterableDataset_len_called = state.get(ITERABLEDATASET_LEN_CALLED)
         dataset_state = state.get(DATASET_STATE)
         if dataset_state is not None and is_stateful(self._dataset):
-            self._dataset.load_state_dict(dataset_state)
+            self._dataset.load_state_dict(dataset_state)  # type: ignore[attr-defined]
         self._dataset_fetcher = _DatasetKind.create_fetcher(
             self._dataset_kind, self._dataset, self._auto_collation, self._collate_fn, self._drop_last)
         if self._dataset_kind == _DatasetKind.Iterable:
@@ -745,7 +752,7 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
             if fetcher.dataset_iter is not fetcher.dataset and is_stateful(fetcher.dataset):
                 dataset_state = fetcher.dataset.state_dict()
         elif is_stateful(self._dataset):
-            dataset_state = self._dataset.state_dict()
+            dataset_state = self._dataset.state_dict()  # type: ignore[attr-defined]
         stateful_sampler = is_stateful(self._index_sampler) or is_stateful(self._sampler_iter)
         return {
             INDEX_SAMPLER_STATE: (self._index_sampler.state_dict()

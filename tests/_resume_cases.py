@@ -107,7 +107,7 @@ def indices(batches):
     """The sample indices of canonical batches, batch by batch."""
     found = []
     for batch in batches:
-        for key, dtype, shape, data in batch:
+        for key, _dtype, _shape, data in batch:
             if key == "index":
                 found.append(np.frombuffer(data, dtype=np.int64).tolist())
     return found

@@ -20,13 +20,10 @@ from __future__ import annotations
 
 import io
 import os
-import pickle
 import random
 import subprocess
 import sys
 import threading
-import time
-import warnings
 
 import numpy as np
 import pytest
@@ -65,6 +62,8 @@ CASES = {
     "map_persistent_after_break": (dict(MAP, shuffle=True, persistent_workers=True, generator=5), 1, (3,), 1),
     "map_persistent_no_generator": (dict(MAP, shuffle=True, persistent_workers=True), 7, 0, 1),
     "map_after_epoch_end": (dict(MAP, shuffle=True, generator=11), "end", 0, 1),
+    "map_persistent_after_epoch_end": (dict(MAP, shuffle=True, persistent_workers=True, generator=13),
+                                       "end", 0, 1),
     "map_spawn": (dict(MAP, shuffle=True, multiprocessing_context="spawn"), 4, 0, 1),
     "map_three_workers": (dict(MAP, shuffle=True, num_workers=3, prefetch_factor=3), 8, 0, 1),
     "stream_fast_forward": (dict(STREAM), 5, 0, 1),
@@ -195,7 +194,7 @@ def _check(resumed, name):
 def test_resume_in_new_process_is_bit_identical(resumed, name):
     reference, k, got = _check(resumed, name)
     assert len(reference[:k]) + len(got) == len(reference), (k, len(got), len(reference))
-    for i, (want, have) in enumerate(zip(reference[k:], got)):
+    for i, (want, have) in enumerate(zip(reference[k:], got, strict=False)):
         assert want == have, f"{name}: batch {k + i} differs after resuming at {k}"
 
 
@@ -223,7 +222,7 @@ def test_reference_statefuldataloader_resumes_indices_but_not_worker_rng(resumed
     stateful = results[f"stateful_{name}"]
     assert not isinstance(stateful, str), stateful
     assert indices(stateful) == indices(ref[k:])
-    differ = sum(a != b for a, b in zip(stateful, ref[k:]))
+    differ = sum(a != b for a, b in zip(stateful, ref[k:], strict=True))
     assert differ >= 1, "StatefulDataLoader now restores worker RNG: compare bit for bit instead"
 
 
@@ -255,7 +254,8 @@ def test_state_is_plain_and_loads_with_weights_only():
     assert set(snapshot[resume_mod.WORKER_SNAPSHOTS]) == {"worker_0", "worker_1"}
     worker = snapshot[resume_mod.WORKER_SNAPSHOTS]["worker_0"]
     assert set(worker[resume_mod.WORKER_RNG]) == {"random", "numpy", "torch"}
-    assert snapshot[resume_mod.WORKER_SNAPSHOTS]["worker_1"][resume_mod.WORKER_RNG] is None  # nothing delivered yet
+    # worker 1 has delivered nothing yet
+    assert snapshot[resume_mod.WORKER_SNAPSHOTS]["worker_1"][resume_mod.WORKER_RNG] is None
     del it
 
 
@@ -286,7 +286,8 @@ def test_other_num_workers_is_refused_with_the_values_and_the_fix():
     state = loader.state_dict()
     del it
     for workers in (0, 3):
-        with pytest.raises(ValueError, match=rf"num_workers=2; this one has num_workers={workers}.*pass num_workers=2"):
+        with pytest.raises(ValueError, match=rf"num_workers=2; this one has num_workers={workers}"
+                                             r".*pass num_workers=2"):
             _loader(num_workers=workers).load_state_dict(state)
     with pytest.raises(ValueError, match="_snapshot"):
         _loader().load_state_dict({"epoch": 3})
@@ -418,4 +419,4 @@ def test_lightning_fit_preempted_mid_epoch_resumes_the_remaining_batches(tmp_pat
     if loader == "pool":
         assert rest.seen == full.seen[5:]
     else:  # its workers restart from their seeds: other augmentations
-        assert sum(a != b for a, b in zip(rest.seen, full.seen[5:])) >= 1
+        assert sum(a != b for a, b in zip(rest.seen, full.seen[5:], strict=True)) >= 1
