@@ -441,8 +441,9 @@ class ResumeTracker:
         if not self.handing:
             return
         worker, seq, blob, error = self.handing.popleft()
-        self.delivered[worker] = blob
-        self.seen(worker, seq, blob)
+        if blob is not None:  # None: its capture raised, and the caller got that error
+            self.delivered[worker] = blob
+            self.seen(worker, seq, blob)
         self.last_worker = worker
         self.position += 1
         if not error:
@@ -461,7 +462,7 @@ class ResumeTracker:
 
     def seen(self, worker: int, seq: int, blob) -> None:
         """Any reply of `worker` (an END, one reclaimed at an epoch's end)."""
-        if seq > self.latest[worker][0]:
+        if blob is not None and seq > self.latest[worker][0]:
             self.latest[worker] = (seq, blob)
 
     def finish(self) -> None:

@@ -111,3 +111,25 @@ def indices(batches):
             if key == "index":
                 found.append(np.frombuffer(data, dtype=np.int64).tolist())
     return found
+
+
+class StateFailsDataset(torch.utils.data.Dataset):
+    """A map-style dataset whose state_dict() raises once it has served item `bad`."""
+
+    def __init__(self, n=12, bad=5):
+        self.n, self.bad, self.served = n, bad, []
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        self.served.append(i)
+        return torch.tensor([i])
+
+    def state_dict(self):
+        if self.bad in self.served:
+            raise ValueError(f"state of item {self.bad} cannot be saved")
+        return {"served": list(self.served)}
+
+    def load_state_dict(self, state):
+        self.served = list(state["served"])

@@ -420,3 +420,23 @@ def test_lightning_fit_preempted_mid_epoch_resumes_the_remaining_batches(tmp_pat
         assert rest.seen == full.seen[5:]
     else:  # its workers restart from their seeds: other augmentations
         assert sum(a != b for a, b in zip(rest.seen, full.seen[5:], strict=True)) >= 1
+
+
+def test_dataset_state_dict_error_reaches_the_caller_like_a_fetch_error():
+    """The worker captures the dataset's state_dict() with every batch: when that
+    raises, next() raises it (original type, worker traceback), as DataLoader
+    delivers a __getitem__ error; the other batches still come."""
+    from _resume_cases import StateFailsDataset
+    loader = PoolLoader(StateFailsDataset(), batch_size=2, num_workers=2)
+    got, errors = [], []
+    it = iter(loader)
+    while True:
+        try:
+            got.append(next(it).view(-1).tolist())
+        except StopIteration:
+            break
+        except ValueError as e:
+            errors.append(str(e))
+    assert errors and "state of item 5 cannot be saved" in errors[0]
+    assert "in DataLoader worker process" in errors[0]
+    assert [0, 1] in got and [2, 3] in got
