@@ -29,6 +29,7 @@ from poolloader.cuda_runtime import TorchCuda
 from poolloader.errors import ControlCorrupt, SlotCorrupt, WorkerDied
 from poolloader.ledger import SlotLedger, default_slots, slot_capacity
 from poolloader.pool import SlotPool
+from poolloader.resume import ResumeTracker
 from poolloader.stats import LoaderStats
 from poolloader.worker import WorkerConfig, worker_loop
 
@@ -67,6 +68,8 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         # a previous pool of this loader already learned how big batches are
         slot_bytes = max(loader.slot_bytes, loader.stats.learned_slot_bytes, fmt.MIN_SLOT_BYTES)
         self._epoch = 0
+        # state_dict()/load_state_dict(): takes the base seed of a loaded state, if any
+        self._resume = ResumeTracker(self, loader, loader._take_resume_plan())
         ctx = loader.multiprocessing_context or torch.multiprocessing
         self._pool = SlotPool(
             n, min(slots, max_slots), max_slots, slot_bytes, loader.shm_limit,
@@ -86,7 +89,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                     auto_collation=self._auto_collation, collate_fn=self._collate_fn,
                     drop_last=self._drop_last, base_seed=self._base_seed,
                     init_fn=loader.worker_init_fn, worker_id=i, num_workers=n,
-                    prefix=self._pool.prefix)
+                    prefix=self._pool.prefix, resume=self._resume.worker_plan(i))
                 self._workers.append(supervise.start_worker(ctx, worker_loop, (cfg,)))
             supervise.track(self)
             self._stats._attach(self._pool)
@@ -115,6 +118,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
     def _reset(self, loader, first_iter=False) -> None:
         if self._shutdown and not first_iter:
             raise RuntimeError(self._dead_message())
+        self._resume.begin_epoch()  # before the sampler's iterator draws anything
         _BaseDataLoaderIter._reset(self, loader, first_iter)
         if self._stager is not None:
             self._stager.reset()  # a staged batch's slot cools behind its copy event
@@ -131,12 +135,17 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         self._workers_num_tasks = [0] * self._num_workers
         self._worker_queue_idx_cycle = itertools.cycle(range(self._num_workers))
         self._sampler_exhausted = False
+        self._resume.position_epoch(self, first_iter)  # after _reclaim_all; applies a loaded state
         for _ in range(self._prefetch_factor * self._num_workers):
             self._try_put_index()
 
     def _reclaim_all(self) -> None:
         """Take back every slot of the previous epoch (persistent workers)."""
         ledger = self._ledger
+        for info in self._task_info.values():  # taken, never delivered: their workers moved on
+            if len(info) == 2:
+                self._resume.seen(info[0], fmt.reply_seq(ledger.header(info[1])),
+                                  self._reply_record(info[1]))
         self._task_info = {}
         while ledger.inflight:
             slot, _worker = self._wait_returned()
@@ -144,6 +153,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
             if fmt.reply_status(ledger.header(slot), slot, seq, worker) == fmt.ST_GROW:
                 self._grow_and_resend(slot)
                 continue
+            self._resume.seen(worker, seq, self._reply_record(slot))
             ledger.inflight.pop(slot)
         ledger.reset_free()
 
@@ -153,6 +163,31 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                 "its workers are gone. "
                 "Iterate a new PoolLoader (with persistent_workers=True the loader keeps "
                 "this iterator, so build the loader again), or fix the error above.")
+
+    # -- resume: poolloader.resume ---------------------------------------------
+    def _next_index(self):
+        return self._resume.next_index(self._sampler_iter, self._send_idx)
+
+    def __next__(self):
+        try:
+            data = super().__next__()
+        except StopIteration:
+            self._resume.finish()
+            raise
+        except BaseException:
+            self._resume.raised(staged=self._stager is not None)
+            raise
+        self._resume.commit()
+        return data
+
+    def _reply_record(self, slot: int) -> bytes | None:
+        """The resume record a returned slot carries (copied out)."""
+        ledger = self._ledger
+        try:
+            return fmt.reply_state(ledger.mapping(slot), ledger.header(slot)) or None
+        except SlotCorrupt as e:
+            self._fail(e)
+            raise
 
     # -- requests --------------------------------------------------------------
     def _try_put_index(self) -> None:
@@ -320,6 +355,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
             del ledger.inflight[slot]
             self._tasks_outstanding -= 1
             if status == fmt.ST_END:
+                self._resume.seen(worker, idx, self._reply_record(slot))
                 ledger.give_back(slot)
                 if self._workers_status[worker]:
                     self._workers_status[worker] = False
@@ -344,6 +380,8 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         ledger = self._ledger
         header = ledger.header(slot)
         error = fmt.reply_is_error(header)
+        # before the decode, which may hand the slot back at once
+        self._resume.received(worker, fmt.reply_seq(header), self._reply_record(slot), error)
         try:
             # from the lease's registration inside decode, the slot is the lease's:
             # whatever happens next, its death gives the slot back

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Callable, TypeVar
 
+import torch
 from torch.utils.data import DataLoader
 
 from poolloader.stats import LoaderStats
@@ -40,6 +41,11 @@ class PoolLoader(DataLoader[T_co]):
                   on a side stream one batch ahead, from the page-locked slots,
                   and yields device tensors safe to use on the current stream.
     Nothing is created until the loader is iterated. `stats` holds counters.
+
+    `state_dict()` / `load_state_dict()` resume mid-epoch, bit-identically,
+    random augmentation in workers included, with torchdata StatefulDataLoader's
+    layout and keys (Lightning saves and restores it by itself): see
+    poolloader.resume.
     """
 
     def __init__(self, dataset, batch_size=1, shuffle=None, sampler=None, batch_sampler=None,
@@ -76,15 +82,71 @@ class PoolLoader(DataLoader[T_co]):
         self.shm_limit = shm_limit
         self.device = device
         self.stats = LoaderStats()
+        self._resume_plan = None     # a loaded state for the next iterator
+        self._resume_tracker = None  # the latest iterator's progress (state_dict())
         for observe in new_loader_observers:
             observe(self)
 
     def _get_iterator(self):
         if self.num_workers == 0:
-            return super()._get_iterator()
+            from poolloader.resume import SingleProcessIter
+            it = SingleProcessIter(self, self._take_resume_plan())
+            self._resume_tracker = it
+            return it
         from poolloader.iterator import PoolLoaderIter
+        from poolloader.resume import continues_epoch
         self.check_worker_number_rationality()
-        return PoolLoaderIter(self)
+        # An iterator draws its base seed from the global RNG; one that continues a
+        # saved epoch must not: that draw was made when the epoch began.
+        caller_rng = torch.get_rng_state() if continues_epoch(self._resume_plan) else None
+        try:
+            it = PoolLoaderIter(self)
+        finally:
+            if caller_rng is not None:
+                torch.set_rng_state(caller_rng)
+        self._resume_tracker = it._resume  # plain data: keeps no worker alive
+        return it
+
+    # -- mid-epoch resume (poolloader.resume) -------------------------------------
+    def state_dict(self) -> dict:
+        """Where this loader stands in its epoch, to continue exactly there later.
+
+        Same layout and keys as torchdata's StatefulDataLoader, plus each worker's
+        random state: a new loader (same arguments, any process) given it by
+        `load_state_dict()` yields the batches not yet delivered, bit-identical to
+        an uninterrupted run. Plain Python and CPU tensors (`torch.save`,
+        `torch.load(weights_only=True)`). Costs O(num_workers); never waits for a
+        worker. `{}` before the first iteration.
+        """
+        if self._resume_plan is not None:  # loaded, not iterated yet
+            return self._resume_plan if self.num_workers == 0 else self._resume_plan.state
+        if self._resume_tracker is None:
+            return {}
+        return self._resume_tracker.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Continue from `state_dict` (from `state_dict()`) at the next iteration.
+
+        Checked now: a state from a loader with another `num_workers` is refused
+        (a worker's state belongs to that worker). `{}` does nothing. A running
+        persistent iterator is shut down first.
+        """
+        from poolloader.resume import ResumePlan, check_single_process_state
+        if not state_dict:
+            plan = None
+        elif self.num_workers == 0:
+            plan = check_single_process_state(state_dict)
+        else:
+            plan = ResumePlan(state_dict, self)
+        if self._iterator is not None:
+            self._iterator._shutdown_workers()
+            self._iterator = None
+        self._resume_tracker = None
+        self._resume_plan = plan
+
+    def _take_resume_plan(self):
+        plan, self._resume_plan = self._resume_plan, None
+        return plan
 
     # HF Accelerate reads this attribute of every loader given to Accelerator.prepare()
     # and then rebuilds the loader as a plain DataLoader: say (once) that the pool is lost

@@ -8,7 +8,9 @@ A slot is one page-aligned shared segment:
     0            header: HEADER_FIELDS u64, fields F_* below
     REQUEST_OFF  request area: main writes the pickled sampler index here (a larger
                  index goes at DATA_OFF instead: main owns the whole slot while it
-                 writes a request, and the worker reads it before writing data)
+                 writes a request, and the worker reads it before writing data);
+                 once read, the worker writes its reply's resume state here
+                 (write_state; a state too large for it goes after the reply)
     DATA_OFF     data region: tensor and array bytes, each 64-byte aligned,
                  then the small block (at F_SMALL_OFF), then the skeleton
     slot size    (page multiple)
@@ -60,7 +62,9 @@ HEADER_FIELDS = 16
  F_SKELETON_LEN,   # its length in bytes
  F_NEEDED,         # ST_GROW: slot bytes the payload needs
  F_SKELETON_CRC,   # zlib.crc32 of the skeleton: a torn or stray write never reaches pickle
- ) = range(14)
+ F_STATE_OFF,      # where the worker's resume state of this reply starts (write_state)
+ F_STATE_LEN,      # its length in bytes (0: none)
+ ) = range(16)
 REQUEST_OFF = HEADER_FIELDS * 8
 DATA_OFF = 65536
 REQUEST_MAX = DATA_OFF - REQUEST_OFF
@@ -197,6 +201,49 @@ def needed_bytes(header: np.ndarray) -> int:
 
 def reply_is_error(header: np.ndarray) -> bool:
     return int(header[F_STATUS]) == ST_ERROR
+
+
+# -- resume state (poolloader.resume): a few KB of worker RNG and dataset position
+# that rides with every reply. The worker has read the request by then, so the
+# request area is free; main copies the bytes out when it takes the reply and
+# never unpickles them on the per-batch path.
+
+def write_state(mapping, header: np.ndarray, state: bytes) -> None:
+    """Worker, after the reply is encoded (or for an END reply): store `state`.
+
+    It goes in the request area when it fits, else after whatever the reply uses
+    (the skeleton, or DATA_OFF for an END); raises NeedsGrow when the slot is too
+    small for it."""
+    n = len(state)
+    if n <= REQUEST_MAX:
+        off = REQUEST_OFF
+    else:
+        end = DATA_OFF
+        if int(header[F_STATUS]) in (ST_READY, ST_ERROR):
+            end = int(header[F_SKELETON_OFF]) + int(header[F_SKELETON_LEN])
+        off = align64(end)
+        if off + n > mapping.size:
+            raise NeedsGrow(off + n)
+    memoryview(mapping)[off:off + n] = state
+    header[F_STATE_OFF] = off
+    header[F_STATE_LEN] = n
+
+
+def reply_state(mapping, header: np.ndarray) -> bytes:
+    """Main: a copy of the resume state of a returned reply (b"" if it has none)."""
+    off, n = int(header[F_STATE_OFF]), int(header[F_STATE_LEN])
+    if n == 0:
+        return b""
+    if not ((off == REQUEST_OFF and n <= REQUEST_MAX)
+            or (off >= DATA_OFF and off % 64 == 0 and off + n <= mapping.size)):
+        raise SlotCorrupt(f"resume state of {n} bytes at {off} is outside the slot "
+                          f"({mapping.size} bytes)")
+    return bytes(memoryview(mapping)[off:off + n])
+
+
+def reply_seq(header: np.ndarray) -> int:
+    """Main: the batch number a reply answers (checked by reply_status)."""
+    return int(header[F_SEQ])
 
 
 # ---------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from torch.utils.data._utils.worker import WorkerInfo, _generate_state
 from torch._utils import ExceptionWrapper
 
 from poolloader import collate as slot_collate_mod
+from poolloader import resume
 from poolloader import slot_format as fmt
 from poolloader.errors import RingClosed, RingTimeout
 from poolloader.pool import WorkerSlots
@@ -45,6 +46,7 @@ class WorkerConfig:
     worker_id: int
     num_workers: int
     prefix: str  # the pool's names; its control segment also tells whether main lives
+    resume: dict | None = None  # resume.ResumePlan.worker(): where to continue from
 
 
 def _parent_alive(owner: OwnerProbe) -> bool:
@@ -92,17 +94,20 @@ def worker_loop(cfg: WorkerConfig) -> None:
 
         init_exception = None
         fetcher = None
+        progress = resume.WorkerProgress(cfg.resume, cfg.dataset,
+                                         cfg.dataset_kind == _DatasetKind.Iterable)
         try:
             if cfg.init_fn is not None:
                 cfg.init_fn(cfg.worker_id)
-            fetcher = new_fetcher()
+            fetcher = progress.first_fetcher(new_fetcher)
         except Exception:
             init_exception = ExceptionWrapper(where=f"in DataLoader worker process {cfg.worker_id}")
 
         writer = fmt.SlotWriter()
         epoch = 0
         iteration_end = False
-        pending: dict[int, tuple[Any, int]] = {}  # slot -> (payload, status) awaiting a bigger slot
+        # slot -> (payload, status, resume record) awaiting a bigger slot
+        pending: dict[int, tuple[Any, int, bytes]] = {}
 
         my_stats = control.worker_stats[cfg.worker_id]
         idle_since = time.perf_counter_ns()
@@ -124,7 +129,7 @@ def worker_loop(cfg: WorkerConfig) -> None:
             header = fmt.header_view(mapping)
             fresh = slot in pending  # a payload waiting for this (now bigger) slot
             if fresh:
-                payload, status = pending.pop(slot)
+                payload, status, state = pending.pop(slot)
             else:
                 req_epoch = fmt.request_epoch(header)
                 if req_epoch != epoch:
@@ -132,7 +137,7 @@ def worker_loop(cfg: WorkerConfig) -> None:
                     iteration_end = False
                     if init_exception is None:
                         try:  # an IterableDataset's __iter__ runs here
-                            fetcher = new_fetcher()
+                            fetcher = progress.epoch_fetcher(new_fetcher)
                         except Exception:
                             fetcher = None
                             init_exception = ExceptionWrapper(
@@ -149,6 +154,7 @@ def worker_loop(cfg: WorkerConfig) -> None:
                             raise StopIteration
                         else:
                             index = fmt.read_request(mapping, header)
+                            progress.fetched += 1
                             payload, status = fetcher.fetch(index), fmt.ST_READY
                     except StopIteration:
                         if cfg.dataset_kind != _DatasetKind.Iterable:
@@ -161,10 +167,16 @@ def worker_loop(cfg: WorkerConfig) -> None:
                         status = fmt.ST_ERROR
                     finally:
                         slot_collate_mod._set_writer(None)
+                try:
+                    state = progress.capture(fetcher)
+                except Exception:  # e.g. the dataset's state_dict(): reported like a fetch error
+                    payload = ExceptionWrapper(where=f"in DataLoader worker process {cfg.worker_id}")
+                    status, state = fmt.ST_ERROR, b""
             if status == fmt.ST_END:
-                fmt.mark_end(header)
+                _publish_end(mapping, header, slot, state, pending)
             else:
-                _publish(writer, mapping, header, slot, payload, status, pending, cfg.worker_id, fresh)
+                _publish(writer, mapping, header, slot, payload, status, state, pending,
+                         cfg.worker_id, fresh)
             del payload
             idle_since = time.perf_counter_ns()
             if status != fmt.ST_END and slot not in pending:
@@ -181,8 +193,10 @@ def worker_loop(cfg: WorkerConfig) -> None:
             slots.unlink_all()
 
 
-def _publish(writer, mapping, header, slot, payload, status, pending, worker_id, fresh) -> None:
-    """Encode into the slot; on overflow ask main for a bigger one and keep the payload.
+def _publish(writer, mapping, header, slot, payload, status, state, pending, worker_id,
+             fresh) -> None:
+    """Encode into the slot, with the resume record `state`; on overflow ask main
+    for a bigger one and keep the payload.
 
     `fresh`: the writer has not begun this mapping yet (a payload from before a
     growth, or an error); otherwise the collate already allocated in it.
@@ -191,8 +205,9 @@ def _publish(writer, mapping, header, slot, payload, status, pending, worker_id,
         writer.begin(mapping, slot, check_kept=False)
     try:
         fmt.encode(writer, header, payload, status)
+        fmt.write_state(mapping, header, state)
     except fmt.NeedsGrow as grow:
-        pending[slot] = (payload, status)
+        pending[slot] = (payload, status, state)
         fmt.mark_grow(header, grow.needed)
     except Exception:
         # The batch cannot be carried (e.g. an unpicklable element): report why.
@@ -200,8 +215,20 @@ def _publish(writer, mapping, header, slot, payload, status, pending, worker_id,
         writer.begin(mapping, slot, check_kept=False)
         try:
             fmt.encode(writer, header, error, fmt.ST_ERROR)
+            fmt.write_state(mapping, header, state)
         except fmt.NeedsGrow as grow:
-            pending[slot] = (error, fmt.ST_ERROR)
+            pending[slot] = (error, fmt.ST_ERROR, state)
             fmt.mark_grow(header, grow.needed)
     finally:
         writer.end()
+
+
+def _publish_end(mapping, header, slot, state, pending) -> None:
+    """An END reply (the worker's IterableDataset is exhausted), with its resume record."""
+    try:
+        fmt.write_state(mapping, header, state)
+    except fmt.NeedsGrow as grow:
+        pending[slot] = (None, fmt.ST_END, state)
+        fmt.mark_grow(header, grow.needed)
+        return
+    fmt.mark_end(header)
