@@ -180,11 +180,10 @@ def hooks_ab(rounds: int, batches: int, sleep_s: float) -> dict:
     this isolates the main process's side."""
     from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-    from poolloader import PoolLoader
-    from poolloader import resume
+    from poolloader import PoolLoader, resume_state
     from poolloader.iterator import PoolLoaderIter
 
-    class Quiet(resume.ResumeTracker):
+    class Quiet(resume_state.ResumeTracker):
         def next_index(self, sampler_iter, seq):
             return next(sampler_iter)
 

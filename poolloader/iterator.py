@@ -22,14 +22,13 @@ import torch
 from torch._utils import ExceptionWrapper
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _MultiProcessingDataLoaderIter
 
-from poolloader import cuda
+from poolloader import codec, cuda, supervise
 from poolloader import slot_format as fmt
-from poolloader import supervise
 from poolloader.cuda_runtime import TorchCuda
 from poolloader.errors import ControlCorrupt, SlotCorrupt, WorkerDied
 from poolloader.ledger import SlotLedger, default_slots, slot_capacity
 from poolloader.pool import SlotPool
-from poolloader.resume import ResumeTracker
+from poolloader.resume_state import ResumeTracker
 from poolloader.stats import LoaderStats
 from poolloader.worker import WorkerConfig, worker_loop
 
@@ -48,9 +47,10 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         self._shutdown = True  # until workers exist there is nothing to shut down
         self._fatal: str | None = None
         self._owner_pid = os.getpid()
-        self._workers = []
-        self._pool = None
-        self._ledger = None
+        self._workers: list = []
+        # set below; None only while __init__ has not made them (a failed start)
+        self._pool: SlotPool = None  # type: ignore[assignment]
+        self._ledger: SlotLedger = None  # type: ignore[assignment]
         self._prefetch_factor = loader.prefetch_factor
         self._in_order = loader.in_order
         self._stats: LoaderStats = loader.stats
@@ -87,7 +87,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                 cfg = WorkerConfig(
                     dataset_kind=self._dataset_kind, dataset=self._dataset,
                     auto_collation=self._auto_collation, collate_fn=self._collate_fn,
-                    drop_last=self._drop_last, base_seed=self._base_seed,
+                    drop_last=self._drop_last, base_seed=int(self._base_seed),
                     init_fn=loader.worker_init_fn, worker_id=i, num_workers=n,
                     prefix=self._pool.prefix, resume=self._resume.worker_plan(i))
                 self._workers.append(supervise.start_worker(ctx, worker_loop, (cfg,)))
@@ -106,7 +106,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
 
     @property
     def worker_pids(self) -> list[int]:
-        return [w.pid for w in self._workers]
+        return [w.pid for w in self._workers if w.pid is not None]
 
     @property
     def prefetched(self) -> tuple[int, int]:
@@ -122,7 +122,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         _BaseDataLoaderIter._reset(self, loader, first_iter)
         if self._stager is not None:
             self._stager.reset()  # a staged batch's slot cools behind its copy event
-        self._refill_error = None
+        self._refill_error: Exception | None = None
         self._ended = False
         if not first_iter:
             self._reclaim_all()
@@ -385,7 +385,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         try:
             # from the lease's registration inside decode, the slot is the lease's:
             # whatever happens next, its death gives the slot back
-            payload, _lease = fmt.decode(ledger.mapping(slot), header, ledger.leases,
+            payload, _lease = codec.decode(ledger.mapping(slot), header, ledger.leases,
                                          ledger.on_release, slot, pin_small=self._pin_small)
             del _lease
         except BaseException:
@@ -418,8 +418,8 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                 ring.close()
         finally:
             supervise.stop(self._workers)
-            self._request_rings = self._done_rings = ()
-            self._doorbell = None
+            self._request_rings = self._done_rings = []
+            self._doorbell = None  # type: ignore[assignment]
             if self._stager is not None:
                 self._stager.close()
             if self._ledger is not None:
@@ -434,8 +434,9 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
     def _shutdown_at_exit(self) -> None:
         """From atexit or a finaliser: no CUDA call (the process or the object is going
         away); the next gate of this process finishes what is left."""
-        if getattr(self, "_gate", None) is not None:
-            self._gate.defer()
+        gate = getattr(self, "_gate", None)
+        if gate is not None:
+            gate.defer()
         self._shutdown_workers()
 
     def __del__(self) -> None:

@@ -89,12 +89,12 @@ class PoolLoader(DataLoader[T_co]):
 
     def _get_iterator(self):
         if self.num_workers == 0:
-            from poolloader.resume import SingleProcessIter
+            from poolloader.resume_single import SingleProcessIter
             it = SingleProcessIter(self, self._take_resume_plan())
             self._resume_tracker = it
             return it
         from poolloader.iterator import PoolLoaderIter
-        from poolloader.resume import continues_epoch
+        from poolloader.resume_single import continues_epoch
         self.check_worker_number_rationality()
         # An iterator draws its base seed from the global RNG; one that continues a
         # saved epoch must not: that draw was made when the epoch began.
@@ -131,15 +131,16 @@ class PoolLoader(DataLoader[T_co]):
         (a worker's state belongs to that worker). `{}` does nothing. A running
         persistent iterator is shut down first.
         """
-        from poolloader.resume import ResumePlan, check_single_process_state
+        from poolloader.resume_single import check_single_process_state
+        from poolloader.resume_state import ResumePlan
         if not state_dict:
             plan = None
         elif self.num_workers == 0:
             plan = check_single_process_state(state_dict)
         else:
-            plan = ResumePlan(state_dict, self)
+            plan = ResumePlan(state_dict, self)  # type: ignore[assignment]
         if self._iterator is not None:
-            self._iterator._shutdown_workers()
+            self._iterator._shutdown_workers()  # type: ignore[attr-defined]
             self._iterator = None
         self._resume_tracker = None
         self._resume_plan = plan

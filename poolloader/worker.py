@@ -15,14 +15,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._utils import ExceptionWrapper
 from torch.utils.data._utils import signal_handling
 from torch.utils.data._utils import worker as torch_worker
 from torch.utils.data._utils.collate import default_collate
 from torch.utils.data._utils.worker import WorkerInfo, _generate_state
-from torch._utils import ExceptionWrapper
 
+from poolloader import codec, resume
 from poolloader import collate as slot_collate_mod
-from poolloader import resume
 from poolloader import slot_format as fmt
 from poolloader.errors import RingClosed, RingTimeout
 from poolloader.pool import WorkerSlots
@@ -103,7 +103,7 @@ def worker_loop(cfg: WorkerConfig) -> None:
         except Exception:
             init_exception = ExceptionWrapper(where=f"in DataLoader worker process {cfg.worker_id}")
 
-        writer = fmt.SlotWriter()
+        writer = codec.SlotWriter()
         epoch = 0
         iteration_end = False
         # slot -> (payload, status, resume record) awaiting a bigger slot
@@ -204,9 +204,9 @@ def _publish(writer, mapping, header, slot, payload, status, state, pending, wor
     if fresh or writer.mapping is not mapping:
         writer.begin(mapping, slot, check_kept=False)
     try:
-        fmt.encode(writer, header, payload, status)
+        codec.encode(writer, header, payload, status)
         fmt.write_state(mapping, header, state)
-    except fmt.NeedsGrow as grow:
+    except codec.NeedsGrow as grow:
         pending[slot] = (payload, status, state)
         fmt.mark_grow(header, grow.needed)
     except Exception:
@@ -214,9 +214,9 @@ def _publish(writer, mapping, header, slot, payload, status, state, pending, wor
         error = ExceptionWrapper(where=f"in DataLoader worker process {worker_id}")
         writer.begin(mapping, slot, check_kept=False)
         try:
-            fmt.encode(writer, header, error, fmt.ST_ERROR)
+            codec.encode(writer, header, error, fmt.ST_ERROR)
             fmt.write_state(mapping, header, state)
-        except fmt.NeedsGrow as grow:
+        except codec.NeedsGrow as grow:
             pending[slot] = (error, fmt.ST_ERROR, state)
             fmt.mark_grow(header, grow.needed)
     finally:
@@ -227,7 +227,7 @@ def _publish_end(mapping, header, slot, state, pending) -> None:
     """An END reply (the worker's IterableDataset is exhausted), with its resume record."""
     try:
         fmt.write_state(mapping, header, state)
-    except fmt.NeedsGrow as grow:
+    except codec.NeedsGrow as grow:
         pending[slot] = (None, fmt.ST_END, state)
         fmt.mark_grow(header, grow.needed)
         return

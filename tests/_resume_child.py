@@ -20,7 +20,6 @@ import warnings
 
 import numpy as np
 import torch
-
 from _resume_cases import canon, make_loader
 
 

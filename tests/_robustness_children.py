@@ -166,6 +166,7 @@ def fuzz(examples: str = "400") -> None:
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
+    from poolloader import codec
     from poolloader import collate as slot_collate_mod
     from poolloader import slot_format as fmt
     from poolloader._shm import Mapping
@@ -188,18 +189,18 @@ def fuzz(examples: str = "400") -> None:
             shm.close_fd()
             shm.unlink()
         header = fmt.header_view(mapping)
-        writer = fmt.SlotWriter()
+        writer = codec.SlotWriter()
         writer.begin(mapping)
         if via_collate:  # what a worker does: collate straight into the slot
             slot_collate_mod._set_writer(writer)
             batch = slot_collate_mod.slot_collate(batch)
             slot_collate_mod._set_writer(None)
-        fmt.encode(writer, header, batch, fmt.ST_READY)
+        codec.encode(writer, header, batch, fmt.ST_READY)
         writer.end()
         del writer
         end = int(header[fmt.F_SKELETON_OFF]) + int(header[fmt.F_SKELETON_LEN])
         pristine = bytes(memoryview(mapping)[:end])
-        payload, lease = fmt.decode(mapping, header)  # the unmodified slot decodes
+        payload, lease = codec.decode(mapping, header)  # the unmodified slot decodes
         base, data_end = mapping.address, fmt.DATA_OFF + int(header[fmt.F_DATA_LEN])
         in_slot = _check_views(payload, base + fmt.DATA_OFF, base + data_end, base,
                                base + mapping.size)
@@ -254,7 +255,7 @@ def fuzz(examples: str = "400") -> None:
         t0 = time.perf_counter()
         guard.armed = True
         try:
-            result = fmt.decode(mapping, header)
+            result = codec.decode(mapping, header)
         except SlotCorrupt:
             result = None
         except BaseException as e:  # noqa: BLE001 - anything else is the finding

@@ -10,8 +10,8 @@ import torch
 from test_loader import assert_same
 from torch.utils.data import default_collate
 
+from poolloader import codec, slot_collate, slot_empty
 from poolloader import collate as slot_collate_mod
-from poolloader import slot_collate, slot_empty
 from poolloader import slot_format as fmt
 from poolloader.pool import SlotPool
 
@@ -31,7 +31,7 @@ def test_in_a_worker_tensors_are_stacked_into_the_slot_and_not_copied_again():
     pool = SlotPool(num_workers=1, slots=1, max_slots=1, slot_bytes=1 << 20)
     mapping = pool.mappings[0]
     header = fmt.header_view(mapping)
-    writer = fmt.SlotWriter()
+    writer = codec.SlotWriter()
     try:
         samples = [(torch.full((100, 200), float(i)), np.arange(3) + i, i) for i in range(5)]
         writer.begin(mapping)
@@ -44,10 +44,10 @@ def test_in_a_worker_tensors_are_stacked_into_the_slot_and_not_copied_again():
         assert_same(batch, default_collate(samples))
         assert inside(batch[0], mapping) and inside(extra, mapping)
         used = writer.cursor
-        fmt.encode(writer, header, batch[0], fmt.ST_READY)  # already in the slot: no new bytes
+        codec.encode(writer, header, batch[0], fmt.ST_READY)  # already in the slot: no new bytes
         assert int(header[fmt.F_DATA_LEN]) == fmt.align64(used) - fmt.DATA_OFF
         writer.end()
-        got, lease = fmt.decode(mapping, header)
+        got, lease = codec.decode(mapping, header)
         assert torch.equal(got, batch[0]) and got.data_ptr() == batch[0].data_ptr()
         del got, lease, batch, extra
     finally:

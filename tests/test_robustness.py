@@ -24,7 +24,7 @@ import robustness_datasets as rds
 import torch
 from torch.utils.data import DataLoader
 
-from poolloader import PoolLoader, SlotCorrupt, WorkerDied
+from poolloader import PoolLoader, SlotCorrupt, WorkerDied, codec
 from poolloader import slot_format as fmt
 from poolloader.segments import NAME_TAG, create_segment, unlink_quietly
 
@@ -103,13 +103,13 @@ def slot(shm_name_prefix):
     """One 1 MiB slot mapping (its name unlinked at once), a header view and a writer."""
     mapping = create_segment(shm_name_prefix + "slot", 1 << 20, "a test slot", 0, None)
     unlink_quietly(shm_name_prefix + "slot")
-    return mapping, fmt.header_view(mapping), fmt.SlotWriter()
+    return mapping, fmt.header_view(mapping), codec.SlotWriter()
 
 
 def encode(slot, payload):
     mapping, header, writer = slot
     writer.begin(mapping)
-    fmt.encode(writer, header, payload, fmt.ST_READY)
+    codec.encode(writer, header, payload, fmt.ST_READY)
     writer.end()
 
 
@@ -121,10 +121,10 @@ def test_a_flipped_skeleton_bit_is_caught_by_the_checksum(slot):
     for at in range(n):  # every byte, one bit each: a string, an int, an opcode, a length
         u8[at] ^= 0x04
         with pytest.raises(SlotCorrupt, match="checksum"):
-            fmt.decode(mapping, header)
+            codec.decode(mapping, header)
         u8[at] ^= 0x04
     del u8
-    payload, lease = fmt.decode(mapping, header)
+    payload, lease = codec.decode(mapping, header)
     assert payload["name"] == "sample-3" and payload["x"].tolist() == [0, 1, 2, 3]
 
 
@@ -135,7 +135,7 @@ def test_sparse_tensors_are_validated_and_do_not_pin_their_slot(slot):
     mapping, header, _ = slot
     sparse = torch.sparse_coo_tensor([[0, 2]], [1.0, 2.0], (3,))
     encode(slot, {"sparse": sparse})
-    payload, lease = fmt.decode(mapping, header)
+    payload, lease = codec.decode(mapping, header)
     assert torch.equal(payload["sparse"].to_dense(), sparse.to_dense())
     # torch's own rebuild parks every sparse tensor in a module-level list only
     # torch.load drains: it would keep the views, and so the slot, alive forever.
@@ -150,7 +150,7 @@ def test_sparse_tensors_are_validated_and_do_not_pin_their_slot(slot):
     indices[1] = 1 << 40
     del indices
     with pytest.raises(SlotCorrupt, match="size is inconsistent with indices"):
-        fmt.decode(mapping, header)
+        codec.decode(mapping, header)
 
 
 def test_sparse_batches_do_not_exhaust_the_pool():

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from poolloader import codec
 from poolloader import slot_format as fmt
 from poolloader.errors import SlotCorrupt
 from poolloader.pool import SlotPool
@@ -30,9 +31,9 @@ def slot():
 
 
 def encode(mapping, header, payload, status=fmt.ST_READY):
-    writer = fmt.SlotWriter()
+    writer = codec.SlotWriter()
     writer.begin(mapping)
-    fmt.encode(writer, header, payload, status)
+    codec.encode(writer, header, payload, status)
     writer.end()
 
 
@@ -68,7 +69,7 @@ def test_small_tensors_are_copied_out_and_large_ones_own_their_storage(slot):
              "boxes": torch.rand(5, 4), "arr": np.arange(6).reshape(2, 3),
              "big_arr": np.ones((300, 300), np.float32), "name": "x"}
     encode(mapping, header, batch)
-    got, lease = fmt.decode(mapping, header)
+    got, lease = codec.decode(mapping, header)
     for key in ("image", "t", "labels", "boxes"):
         assert torch.equal(got[key], batch[key]) and got[key].stride() == batch[key].stride()
     np.testing.assert_array_equal(got["arr"], batch["arr"])
@@ -89,7 +90,7 @@ def test_small_tensors_are_copied_out_and_large_ones_own_their_storage(slot):
 def test_a_batch_of_small_tensors_keeps_no_lease(slot):
     mapping, header = slot
     encode(mapping, header, [torch.arange(10), np.zeros(3)])
-    got, lease = fmt.decode(mapping, header)
+    got, lease = codec.decode(mapping, header)
     assert lease is None and mapping.leases == 0
     assert got[0].tolist() == list(range(10))
 
@@ -103,7 +104,7 @@ def test_small_budget_per_batch_keeps_the_rest_in_the_slot(slot):
         mapping = pool.mappings[0]
         header = fmt.header_view(mapping)
         encode(mapping, header, batch)
-        got, lease = fmt.decode(mapping, header)
+        got, lease = codec.decode(mapping, header)
         assert all(torch.equal(a, b) for a, b in zip(got, batch))
         in_slot = sum(mapping.address <= t.data_ptr() < mapping.address + mapping.size for t in got)
         assert in_slot == 4 and lease is not None
@@ -123,7 +124,7 @@ def test_fallbacks_round_trip_losslessly(slot):
         batch = {"sparse": sparse, "grad": grad, "nested": nested, "obj": np.array([{}, 1], object),
                  "tuple": Pair(1, torch.ones(1))}
         encode(mapping, header, batch)
-        got, _ = fmt.decode(mapping, header)
+        got, _ = codec.decode(mapping, header)
     assert torch.equal(got["sparse"].to_dense(), sparse.to_dense())
     assert got["grad"].requires_grad and torch.equal(got["grad"], grad)
     assert got["nested"].is_nested and [t.tolist() for t in got["nested"].unbind()] == [[1, 1], [0, 0, 0]]
@@ -133,7 +134,7 @@ def test_fallbacks_round_trip_losslessly(slot):
 
 def test_a_payload_that_does_not_fit_reports_the_size_it_needs(slot):
     mapping, header = slot
-    with pytest.raises(fmt.NeedsGrow) as grow:
+    with pytest.raises(codec.NeedsGrow) as grow:
         encode(mapping, header, torch.zeros(1 << 20))  # 4 MiB into 2 MiB
     assert grow.value.needed > 4 << 20
 
@@ -144,23 +145,23 @@ def test_corrupt_header_is_an_error_and_gives_the_slot_back(slot):
     registry, released = {}, collections.deque()
     header[fmt.F_SKELETON_LEN] = mapping.size * 2
     with pytest.raises(SlotCorrupt, match="out of bounds"):
-        fmt.decode(mapping, header, registry, released.append, "slot0")
+        codec.decode(mapping, header, registry, released.append, "slot0")
     gc.collect()
     assert len(released) == 1 and registry[released[0]] == "slot0"
 
 
 def test_writer_warns_when_a_slot_tensor_outlives_its_batch(slot):
     mapping, header = slot
-    writer = fmt.SlotWriter()
+    writer = codec.SlotWriter()
     writer.begin(mapping, 0)
     kept = writer.empty((4,), torch.float32)
-    fmt.encode(writer, header, kept, fmt.ST_READY)
+    codec.encode(writer, header, kept, fmt.ST_READY)
     writer.end()
     with pytest.warns(RuntimeWarning, match=r"clone\(\)"):
         writer.begin(mapping, 0)
     writer.end()
     del kept
-    other = fmt.SlotWriter()
+    other = codec.SlotWriter()
     other.begin(mapping, 0)
     other.end()
     with warnings.catch_warnings():

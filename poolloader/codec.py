@@ -1,0 +1,397 @@
+"""The batch codec: encode a batch into a slot (worker side), decode it out (main side).
+
+The layout and the header are slot_format's; this module fills the data region,
+the small block and the skeleton, and rebuilds the batch from them (the module
+docstring of slot_format.py describes what a decoded batch's tensors are).
+"""
+from __future__ import annotations
+
+import io
+import pickle
+import zlib
+from typing import Literal
+
+import numpy as np
+import torch
+
+from poolloader._shm import Lease, take_lease
+from poolloader.errors import SlotCorrupt
+from poolloader.slot_format import (
+    _A,
+    _AS,
+    _NUM_DTYPES,
+    _P,
+    _T,
+    _TS,
+    DATA_OFF,
+    DTYPE_CODE,
+    DTYPES,
+    F_DATA_LEN,
+    F_MAGIC,
+    F_SKELETON_CRC,
+    F_SKELETON_LEN,
+    F_SKELETON_OFF,
+    F_SMALL_LEN,
+    F_SMALL_OFF,
+    F_STATUS,
+    ITEMSIZE,
+    SLOT_MAGIC,
+    SMALL_BATCH_BYTES,
+    SMALL_TENSOR_BYTES,
+    NeedsGrow,
+    _align_small,
+    align64,
+    span_elements,
+)
+
+# ---------------------------------------------------------------------------
+# worker side: allocate in the slot, encode a payload
+
+class SlotWriter:
+    """Fills one slot's data region (worker side, one batch at a time).
+
+    `empty()` hands out 64-byte-aligned tensors inside the slot, so a collate
+    writes each byte once (None when the slot is full). `alloc()` keeps counting
+    past the end, so a single NeedsGrow reports the whole size needed.
+
+    `begin()` also notices a tensor that a dataset or collate kept from an earlier
+    batch in the same slot (its storage is still in use): that memory is about to be
+    rewritten, so it warns once, naming the fix.
+    """
+
+    def __init__(self):
+        self.mapping = None
+        self._cache = {}  # slot -> (mapping, u8 tensor, u8 array, storage uses alone)
+        self.warned_kept = False
+
+    def begin(self, mapping, slot: int = 0, check_kept: bool = True) -> None:
+        self.mapping = mapping
+        cached = self._cache.get(slot)
+        if cached is None or cached[0] is not mapping:
+            u8 = torch.from_numpy(np.frombuffer(mapping, np.uint8))
+            cached = (mapping, u8, np.frombuffer(mapping, np.uint8), _storage_uses(u8))
+            self._cache[slot] = cached  # drops the slot's previous generation
+        elif check_kept and not self.warned_kept and _storage_uses(cached[1]) > cached[3]:
+            self._warn_kept()
+        self.u8 = cached[1]
+        self.np_u8 = cached[2]
+        self.address = mapping.address
+        self.limit = mapping.size
+        self.cursor = DATA_OFF
+
+    def _warn_kept(self) -> None:
+        import warnings
+        self.warned_kept = True
+        warnings.warn(
+            "PoolLoader worker: a tensor made by the dataset or collate_fn inside a slot "
+            "(slot_empty or the default collate) is still alive after its batch was sent, "
+            "and the slot is being reused: that tensor's values will change. Keep a copy "
+            "instead (tensor.clone()).", RuntimeWarning, stacklevel=3)
+
+    def end(self) -> None:
+        self.mapping = None
+
+    def alloc(self, nbytes: int) -> int | None:
+        off = align64(self.cursor)
+        self.cursor = off + nbytes
+        return off if self.cursor <= self.limit else None
+
+    def empty(self, shape, dtype: torch.dtype) -> torch.Tensor | None:
+        if dtype not in DTYPE_CODE:
+            return None
+        numel = 1
+        for s in shape:
+            numel *= s
+        nbytes = numel * ITEMSIZE[DTYPE_CODE[dtype]]
+        cursor = self.cursor
+        off = self.alloc(nbytes)
+        if off is None:
+            # the caller allocates elsewhere and the encoder counts the copy then
+            self.cursor = cursor
+            return None
+        return self.u8[off:off + nbytes].view(dtype).view(shape)
+
+    def locate(self, t: torch.Tensor, nbytes: int) -> int | None:
+        """Byte offset of `t`'s first element if its whole span already lies in this slot."""
+        if self.mapping is None or t.untyped_storage().data_ptr() != self.address:
+            return None
+        off = t.data_ptr() - self.address
+        if DATA_OFF <= off and off + nbytes <= min(self.cursor, self.limit):
+            return off
+        return None
+
+
+def _storage_uses(t: torch.Tensor) -> int:
+    """How many tensors (and storage objects) share `t`'s storage right now."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+def _plain_tensor(t: torch.Tensor) -> bool:
+    return not (t.is_nested or t.layout != torch.strided or t.device.type != "cpu"
+                or t.requires_grad or t.is_conj() or t.is_neg())
+
+
+class _SkeletonPickler(pickle.Pickler):
+    def __init__(self, file, writer: SlotWriter):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.writer = writer
+        self.memo_ids: dict = {}
+        self.keep: list = []
+        self.small: list = []  # (tensor or array, nbytes, offset in the small block)
+        self.small_len = 0
+
+    def persistent_id(self, obj):
+        kind = type(obj)
+        if kind is torch.Tensor:
+            return self._tensor(obj)
+        if kind is np.ndarray:
+            return self._array(obj)
+        return None
+
+    def _small(self, nbytes: int) -> int | None:
+        if nbytes > SMALL_TENSOR_BYTES or self.small_len + nbytes > SMALL_BATCH_BYTES:
+            return None
+        off = _align_small(self.small_len)
+        self.small_len = off + nbytes
+        return off
+
+    def _tensor(self, t: torch.Tensor):
+        if t.is_nested:
+            # torch rebuilds a nested tensor from its buffer's storage start, ignoring a
+            # view's offset: carry it whole, pickled as DataLoader's pickling would
+            return (_P, pickle.dumps(t, protocol=pickle.HIGHEST_PROTOCOL))
+        code = DTYPE_CODE.get(t.dtype)
+        if code is None or not _plain_tensor(t):
+            return None
+        pid = self.memo_ids.get(id(t))
+        if pid is not None:
+            return pid
+        shape, stride = tuple(t.shape), t.stride()
+        count = span_elements(shape, stride)
+        nbytes = count * ITEMSIZE[code]
+        small = self._small(nbytes)
+        if small is not None:
+            self.small.append((t, nbytes, small))
+            pid = (_TS, code, small, shape, stride)
+        else:
+            w = self.writer
+            off = w.locate(t, nbytes)
+            if off is None:
+                off = w.alloc(nbytes)
+                if off is None:
+                    off = DATA_OFF  # overflow: keep counting, NeedsGrow follows
+                elif nbytes:
+                    w.u8[off:off + nbytes].view(t.dtype).copy_(_span(t, count))
+            pid = (_T, code, off, shape, stride, count)
+        self.memo_ids[id(t)] = pid
+        self.keep.append(t)
+        return pid
+
+    def _array(self, a: np.ndarray):
+        if a.dtype.hasobject or a.dtype.fields is not None:
+            return None
+        order = _order(a)
+        small = self._small(a.nbytes)
+        if small is not None:
+            self.small.append((a, a.nbytes, small))
+            return (_AS, a.dtype.str, small, a.shape, order)
+        w = self.writer
+        off = w.alloc(a.nbytes)
+        if off is None:
+            off = DATA_OFF
+        elif a.nbytes:
+            np.ndarray(a.shape, a.dtype, buffer=w.np_u8, offset=off, order=order)[...] = a
+        return (_A, a.dtype.str, off, a.shape, order)
+
+    def write_small(self, small_off: int) -> None:
+        w = self.writer
+        for obj, nbytes, rel in self.small:
+            if not nbytes:
+                continue
+            off = small_off + rel
+            if type(obj) is np.ndarray:
+                order = _order(obj)
+                np.ndarray(obj.shape, obj.dtype, buffer=w.np_u8, offset=off, order=order)[...] = obj
+            else:
+                w.u8[off:off + nbytes].view(obj.dtype).copy_(_span(obj, nbytes // obj.element_size()))
+
+
+def _order(a: np.ndarray) -> Literal["C", "F"]:
+    """How an array's bytes are laid out in the slot: Fortran order only when it is that alone."""
+    return "F" if (a.flags.f_contiguous and not a.flags.c_contiguous) else "C"
+
+
+def _span(t: torch.Tensor, count: int) -> torch.Tensor:
+    """The 1-D run of storage elements a strided tensor covers, from its first one."""
+    return torch.as_strided(t, (count,), (1,), t.storage_offset())
+
+
+def encode(writer: SlotWriter, header: np.ndarray, payload, status: int) -> None:
+    """Write `payload` into the slot `writer` has begun and fill the header.
+
+    Raises NeedsGrow (header untouched) when it does not fit, and whatever pickling
+    raises for an object that cannot be carried at all.
+    """
+    buf = io.BytesIO()
+    pickler = _SkeletonPickler(buf, writer)
+    pickler.dump(payload)
+    skeleton = buf.getbuffer()
+    small_off = align64(writer.cursor)
+    small_len = align64(pickler.small_len)
+    skel_off = small_off + small_len
+    needed = skel_off + len(skeleton)
+    if needed > writer.limit:
+        raise NeedsGrow(needed)
+    pickler.write_small(small_off)
+    writer.np_u8[skel_off:needed] = np.frombuffer(skeleton, np.uint8)
+    header[F_SKELETON_CRC] = zlib.crc32(skeleton)
+    header[F_DATA_LEN] = small_off - DATA_OFF
+    header[F_SMALL_OFF] = small_off
+    header[F_SMALL_LEN] = small_len
+    header[F_SKELETON_OFF] = skel_off
+    header[F_SKELETON_LEN] = len(skeleton)
+    header[F_MAGIC] = SLOT_MAGIC
+    header[F_STATUS] = status
+
+
+# ---------------------------------------------------------------------------
+# main side: decode
+
+def _rebuild_sparse_checked(layout, data):
+    """torch._utils._rebuild_sparse_tensor, validated at once.
+
+    torch's version defers validation to a module-level list that only
+    torch.load drains: under this unpickler the list would keep every sparse
+    tensor alive forever. Check always.
+    """
+    if layout == torch.sparse_coo:
+        indices, values, size, *rest = data
+        return torch.sparse_coo_tensor(indices, values, size, check_invariants=True,
+                                       is_coalesced=rest[0] if rest else None)
+    compressed_indices, plain_indices, values, size = data
+    return torch.sparse_compressed_tensor(compressed_indices, plain_indices, values, size,
+                                          layout=layout, check_invariants=True)
+
+
+class _FallbackUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if name == "_rebuild_sparse_tensor" and module == "torch._utils":
+            return _rebuild_sparse_checked
+        return super().find_class(module, name)
+
+
+class _SkeletonUnpickler(_FallbackUnpickler):
+    def __init__(self, file, lease: Lease, small: torch.Tensor | None):
+        super().__init__(file)
+        self.lease = lease        # the batch's bytes of the data region [DATA_OFF, data end)
+        self.small = small        # private copy of the small block (uint8), or None
+        self.small_typed = [None] * _NUM_DTYPES
+        self.views = 0
+
+    def persistent_load(self, pid):
+        # Hot path: one call per tensor of the batch, so it checks only what torch
+        # does not: kinds, dtype codes and alignment. torch.frombuffer rejects a
+        # range outside the lease and as_strided any view past the end of its
+        # storage, so no tensor can reach outside the slot's data region (or the
+        # small buffer).
+        try:
+            kind = pid[0]
+            if kind == _TS:
+                _, code, off, shape, stride = pid
+                if 0 <= code < _NUM_DTYPES and self.small is not None and not off % ITEMSIZE[code]:
+                    typed = self.small_typed[code]
+                    if typed is None:
+                        typed = self.small_typed[code] = self.small.view(DTYPES[code])
+                    return typed.as_strided(shape, stride, off // ITEMSIZE[code])
+            elif kind == _T:
+                _, code, off, shape, stride, count = pid
+                if 0 <= code < _NUM_DTYPES and off >= DATA_OFF and not off % ITEMSIZE[code]:
+                    if count == 0:
+                        return torch.empty_strided(shape, stride, dtype=DTYPES[code])
+                    own = torch.frombuffer(self.lease, dtype=DTYPES[code], count=count,
+                                           offset=off - DATA_OFF)
+                    self.views += 1
+                    return own.as_strided(shape, stride, 0)
+            elif kind == _A:
+                _, dtype_str, off, shape, order = pid
+                self.views += 1
+                return self._array(self.lease, DATA_OFF, dtype_str, off, shape, order)
+            elif kind == _AS:
+                _, dtype_str, off, shape, order = pid
+                if self.small is not None:
+                    return self._array(self.small.numpy(), 0, dtype_str, off, shape, order)
+            elif kind == _P:
+                _, blob = pid
+                if type(blob) is bytes:
+                    return _FallbackUnpickler(io.BytesIO(blob)).load()
+        except SlotCorrupt:
+            raise
+        except (TypeError, ValueError, IndexError, RuntimeError, OverflowError) as e:
+            raise SlotCorrupt(f"persistent id {pid!r} does not describe a view inside the "
+                              f"slot's data region or small block: {e}") from None
+        raise SlotCorrupt(f"malformed persistent id {pid!r}")
+
+    @staticmethod
+    def _array(buffer, base: int, dtype_str, off, shape, order):
+        # numpy's own checks bound the view's end (a buffer too small, a negative
+        # dimension, non-integer shapes); it accepts a negative offset, so the
+        # start is checked here.
+        dtype = np.dtype(dtype_str)
+        if (dtype.hasobject or order not in ("C", "F") or type(shape) is not tuple
+                or type(off) is not int or off < base):
+            raise SlotCorrupt(f"invalid array dtype {dtype_str!r}, order {order!r} or shape {shape!r}")
+        return np.ndarray(shape, dtype, buffer=buffer, offset=off - base, order=order)
+
+
+def check_header(header: np.ndarray, slot_size: int) -> tuple[int, int, int, int, int]:
+    """Validate a published header against the slot size;
+    returns (data_len, small_off, small_len, skel_off, skel_len)."""
+    if int(header[F_MAGIC]) != SLOT_MAGIC:
+        raise SlotCorrupt(f"bad slot magic {int(header[F_MAGIC]):#x}")
+    data_len = int(header[F_DATA_LEN])
+    small_off, small_len = int(header[F_SMALL_OFF]), int(header[F_SMALL_LEN])
+    skel_off, skel_len = int(header[F_SKELETON_OFF]), int(header[F_SKELETON_LEN])
+    if (data_len % 64 or small_len % 64 or DATA_OFF + data_len > slot_size
+            or small_off < DATA_OFF + data_len or small_len > SMALL_BATCH_BYTES + 64
+            or skel_off < small_off + small_len or skel_off + skel_len > slot_size):
+        raise SlotCorrupt(
+            f"slot header out of bounds: data {data_len} bytes, small block {small_len} bytes "
+            f"at {small_off}, skeleton {skel_len} bytes at {skel_off}, slot {slot_size} bytes")
+    return data_len, small_off, small_len, skel_off, skel_len
+
+
+def decode(mapping, header: np.ndarray, registry: dict | None = None, on_release=None,
+           key=None, pin_small: bool = False):
+    """Rebuild the payload of a published slot.
+
+    Returns (payload, lease). The lease covers the data region; it is created first
+    thing and, with `registry`/`on_release`, registered in C (`take_lease`), so from
+    then on the slot belongs to the lease: its death, whenever the last tensor of the
+    batch in the slot dies (right away if none), hands `key` back through
+    `on_release`. `lease` is None when the payload holds nothing in the slot.
+    """
+    # the lease first, over whatever the header claims (clamped to the slot), so a
+    # corrupt header below is an error whose lease still gives the slot back
+    claimed = min(int(header[F_DATA_LEN]), mapping.size - DATA_OFF)
+    if registry is not None:
+        lease = take_lease(mapping, DATA_OFF, claimed, registry, on_release, key)
+    else:
+        lease = Lease(mapping, DATA_OFF, claimed)
+    data_len, small_off, small_len, skel_off, skel_len = check_header(header, mapping.size)
+    skeleton = bytes(memoryview(mapping)[skel_off:skel_off + skel_len])
+    crc = zlib.crc32(skeleton)
+    if crc != int(header[F_SKELETON_CRC]):
+        raise SlotCorrupt(f"slot skeleton checksum {crc:#010x} does not match the header's "
+                          f"{int(header[F_SKELETON_CRC]):#010x} ({skel_len} bytes at {skel_off})")
+    small = None
+    if small_len:
+        small = torch.empty(small_len, dtype=torch.uint8, pin_memory=pin_small)
+        small.numpy()[:] = np.frombuffer(mapping, np.uint8, count=small_len, offset=small_off)
+    unpickler = _SkeletonUnpickler(io.BytesIO(skeleton), lease, small)
+    try:
+        payload = unpickler.load()
+    except SlotCorrupt:
+        raise
+    except Exception as e:
+        raise SlotCorrupt(f"slot skeleton cannot be decoded: {type(e).__name__}: {e}") from e
+    return payload, (lease if unpickler.views else None)

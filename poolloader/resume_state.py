@@ -1,0 +1,415 @@
+"""Main's side of mid-epoch resume (see resume.py for the design): `ResumeTracker`
+follows an iterator's epoch (the records of delivered batches, the sampler's position,
+the round robin) and builds `state_dict()`; `ResumePlan` is a loaded state, applied
+by the next iterator and handed, per worker, to the worker process.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import warnings
+
+import torch
+from torch.utils.data.dataloader import _DatasetKind
+
+from poolloader.resume import (
+    BASE_SEED,
+    DATASET_ITER_STATE,
+    DATASET_STATE,
+    FETCHER_ENDED,
+    FETCHER_STATE,
+    FORMAT,
+    FORMAT_VERSION,
+    IN_ORDER,
+    INDEX_SAMPLER_STATE,
+    ITERABLEDATASET_LEN_CALLED,
+    ITERATOR_FINISHED,
+    LAST_YIELDED_WORKER_ID,
+    MAIN_RNG,
+    MAIN_SNAPSHOT,
+    NUM_WORKERS,
+    NUM_YIELDED,
+    PENDING,
+    SAMPLER_ITER_STATE,
+    SAMPLER_ITER_YIELDED,
+    SHARED_SEED,
+    SNAPSHOT,
+    SNAPSHOT_STEP,
+    STEPS_SINCE_SNAPSHOT,
+    WORKER_EPOCH_DATASET,
+    WORKER_EPOCH_RNG,
+    WORKER_FETCHED,
+    WORKER_ID,
+    WORKER_RNG,
+    WORKER_SNAPSHOTS,
+    _for_worker,
+    _record,
+    _set_generators,
+    _set_main_rng,
+    capture_rng,
+    is_stateful,
+    main_rng,
+    plain_rng,
+    sampler_generators,
+    set_rng,
+    worker_key,
+)
+
+# ---------------------------------------------------------------------------
+# main side
+
+class ResumeTracker:
+    """Main's record of one iterator's progress, and the state built from it.
+
+    Per batch it stores references only (the reply's record bytes, a counter);
+    `state_dict()` does the decoding. It holds no reference to the iterator, so
+    the loader may keep it after the iterator is gone (its state stays valid:
+    what was delivered was delivered)."""
+
+    def __init__(self, it, loader, plan: ResumePlan | None):
+        n = it._num_workers
+        self.num_workers = n
+        self.in_order = it._in_order
+        self.persistent = it._persistent_workers
+        self.iterable = it._dataset_kind == _DatasetKind.Iterable
+        self.index_sampler = it._index_sampler
+        self.generators = sampler_generators(loader)
+        self.sampler_stateful = False  # decided per epoch: the sampler or its iterator
+        self.shared_seed = it._shared_seed
+        self.len_called = it._IterableDataset_len_called
+        self.plan = plan
+        self.fast_forward_index = next(iter(it._index_sampler)) if self.iterable else None
+        self.epoch_blob: list = [None] * n   # each worker's record at this epoch's start
+        self._decoded: dict = {}  # worker -> (record, epoch record, snapshot): state_dict()'s cache
+        self._new_epoch_counters()
+        if plan is not None and plan.finished:
+            # a new epoch after the saved one: the sampler's generators as they were then
+            _set_generators(plan.generators_now, self.generators)
+            if not self.persistent and loader.generator is not None:
+                # DataLoader draws each epoch's base seed from it: draw again, from its
+                # restored state (without generator= the seed came from the global RNG,
+                # as DataLoader's would)
+                it._base_seed = torch.empty((), dtype=torch.int64).random_(
+                    generator=loader.generator).item()
+        if plan is not None and (self.persistent or not plan.finished):
+            it._base_seed = plan.base_seed
+        self.base_seed = it._base_seed
+
+    def _new_epoch_counters(self) -> None:
+        n = self.num_workers
+        self.delivered: list = [None] * n    # record after each worker's last delivered batch
+        self.latest: list = [(-1, b) for b in self.epoch_blob]  # (seq, record) of its newest reply
+        # (worker, seq, record, error): taken from a worker, not yet handed to the caller
+        self.handing: collections.deque[tuple[int, int, bytes | None, bool]] = collections.deque()
+        self.position = 0        # sampler items consumed by the batches handed over (in order)
+        self.draws = 0           # sampler items drawn
+        self.yielded = 0
+        self.last_worker = n - 1
+        self.finished = False
+        self.pending: dict = {}  # in_order=False: seq -> index, sent and not handed over
+        self.replay: collections.deque = collections.deque()
+        self.snapshots: collections.deque = collections.deque()  # (draws, (sampler state, iterator state))
+        self.epoch_rng: dict | None = None
+
+    def worker_plan(self, worker: int) -> dict | None:
+        if self.plan is None:
+            return None
+        plan = self.plan.worker(worker)
+        if plan is not None:
+            plan["fast_forward_index"] = self.fast_forward_index
+        return plan
+
+    # -- epochs (the iterator's _reset) --------------------------------------
+    def begin_epoch(self) -> None:
+        """Before the epoch's sampler iterator is made: where the main process's
+        generators stand, i.e. what the sampler will draw from."""
+        self._next_epoch_rng = main_rng(self.generators)
+
+    def position_epoch(self, it, first: bool) -> None:
+        """After the previous epoch's replies are all in (persistent workers) and the
+        epoch's sampler iterator and round robin exist, before the first request.
+        A later epoch of persistent workers starts each worker where its last reply
+        left it. A loaded state is applied here (sampler, round robin, counters)."""
+        if not first:
+            for worker, seq, blob, _error in self.handing:
+                self.seen(worker, seq, blob)
+            self.epoch_blob = [blob for _seq, blob in self.latest]
+            self._new_epoch_counters()
+        self.epoch_rng = self._next_epoch_rng
+        self.sampler_stateful = is_stateful(self.index_sampler) or is_stateful(it._sampler_iter)
+        plan, self.plan = self.plan, None
+        if plan is not None and not plan.finished:
+            self._resume(it, plan)
+        if self.sampler_stateful:
+            self.snapshots.append((self.draws, self._sampler_states(it._sampler_iter)))
+
+    def _resume(self, it, plan: ResumePlan) -> None:
+        self.epoch_rng = plan.epoch_rng
+        caller_rng = plan_rng = None
+        if plan.epoch_rng is not None:
+            caller_rng = plain_rng(capture_rng())
+            plan_rng = plan.epoch_rng
+            _set_main_rng(plan_rng, self.generators)
+        try:
+            if self.sampler_stateful and (plan.index_sampler_state is not None
+                                          or plan.sampler_iter_state is not None):
+                # torchdata's order: the sampler's state, a new iterator, the iterator's state
+                if plan.index_sampler_state is not None and is_stateful(self.index_sampler):
+                    self.index_sampler.load_state_dict(plan.index_sampler_state)
+                it._sampler_iter = iter(self.index_sampler)
+                if plan.sampler_iter_state is not None and is_stateful(it._sampler_iter):
+                    it._sampler_iter.load_state_dict(plan.sampler_iter_state)
+            else:
+                sampler_iter = iter(self.index_sampler)
+                try:
+                    for _ in range(plan.position):
+                        next(sampler_iter)
+                    # a sampler seeds itself on its first draw: make it under the epoch's state
+                    first = next(sampler_iter)
+                    it._sampler_iter = itertools.chain((first,), sampler_iter)
+                except StopIteration:
+                    it._sampler_iter = iter(())
+        finally:
+            if caller_rng is not None:
+                set_rng(caller_rng)
+        self.position = self.draws = plan.position
+        self.yielded = plan.yielded
+        it._num_yielded = plan.yielded
+        it._IterableDataset_len_called = plan.len_called
+        self.last_worker = plan.last_worker
+        for _ in range((plan.last_worker + 1) % self.num_workers):
+            next(it._worker_queue_idx_cycle)
+        self.replay.extend(plan.pending)
+        if self.iterable:  # nothing drew from them this epoch but the base seed
+            _set_generators(plan.generators_now, self.generators)
+        for worker in range(self.num_workers):
+            post, start = plan.records(worker)
+            self.delivered[worker] = post
+            self.epoch_blob[worker] = start
+            self.latest[worker] = (-1, post if post is not None else start)
+
+    def _sampler_states(self, sampler_iter):
+        return (self.index_sampler.state_dict() if is_stateful(self.index_sampler) else None,
+                sampler_iter.state_dict() if is_stateful(sampler_iter) else None)
+
+    # -- per batch -------------------------------------------------------------
+    def next_index(self, sampler_iter, seq: int):
+        """The iterator's _next_index: replayed batches first (in_order=False), then
+        the sampler; a stateful sampler's state is kept per draw."""
+        if self.replay:
+            index = self.replay.popleft()
+        else:
+            index = next(sampler_iter)  # may raise StopIteration
+            self.draws += 1
+            if self.sampler_stateful:
+                snapshots = self.snapshots
+                snapshots.append((self.draws, self._sampler_states(sampler_iter)))
+                while len(snapshots) > 1 and snapshots[1][0] <= self.position:
+                    snapshots.popleft()
+        if not self.in_order:
+            self.pending[seq] = index
+        return index
+
+    def received(self, worker: int, seq: int, blob: bytes | None, error: bool) -> None:
+        """A reply main took (decoded, or about to raise): handed over at commit()."""
+        self.handing.append((worker, seq, blob, error))
+
+    def commit(self) -> None:
+        """The iterator handed one batch (or its error) to the caller."""
+        if not self.handing:
+            return
+        worker, seq, blob, error = self.handing.popleft()
+        if blob is not None:  # None: its capture raised, and the caller got that error
+            self.delivered[worker] = blob
+            self.seen(worker, seq, blob)
+        self.last_worker = worker
+        self.position += 1
+        if not error:
+            self.yielded += 1
+        if not self.in_order:
+            self.pending.pop(seq, None)
+
+    def raised(self, staged: bool) -> None:
+        """__next__ raised: a worker's error was handed over (commit it); anything
+        else (an interrupt while refilling) lost the batch on the way, so it was
+        not delivered: forget it (with device= the next batch stays staged)."""
+        if self.handing and self.handing[0][3]:
+            self.commit()
+        elif not staged:
+            self.handing.clear()
+
+    def seen(self, worker: int, seq: int, blob) -> None:
+        """Any reply of `worker` (an END, one reclaimed at an epoch's end)."""
+        if blob is not None and seq > self.latest[worker][0]:
+            self.latest[worker] = (seq, blob)
+
+    def finish(self) -> None:
+        self.finished = True
+
+    # -- the state ----------------------------------------------------------------
+    def state_dict(self) -> dict:
+        n = self.num_workers
+        if self.finished:
+            # the next epoch: persistent workers start where their last reply left them
+            workers = {worker_key(w): self._worker_snapshot(
+                w, None, self.latest[w][1] if self.persistent else None) for w in range(n)}
+        else:
+            workers = {worker_key(w): self._worker_snapshot(w, self.delivered[w], self.epoch_blob[w])
+                       for w in range(n)}
+        index_state = iter_state = None
+        position = self.position if self.in_order else self.draws
+        if self.sampler_stateful and self.snapshots:
+            wanted = position
+            for draws, states in self.snapshots:
+                if draws == wanted:
+                    index_state, iter_state = states
+        main = {
+            NUM_WORKERS: n,
+            SAMPLER_ITER_STATE: iter_state,
+            INDEX_SAMPLER_STATE: index_state,
+            SAMPLER_ITER_YIELDED: position,
+            ITERABLEDATASET_LEN_CALLED: self.len_called,
+            SHARED_SEED: self.shared_seed,
+            BASE_SEED: self.base_seed,
+            IN_ORDER: self.in_order,
+            MAIN_RNG: {"epoch_start": self.epoch_rng,
+                       "generators_now": [g.get_state() for g in self.generators]},
+            PENDING: ([] if self.in_order else
+                      [self.pending[s] for s in sorted(self.pending)] + list(self.replay)),
+        }
+        return {
+            SNAPSHOT: {
+                SNAPSHOT_STEP: self.yielded,
+                LAST_YIELDED_WORKER_ID: self.last_worker,
+                MAIN_SNAPSHOT: main,
+                WORKER_SNAPSHOTS: workers,
+            },
+            STEPS_SINCE_SNAPSHOT: 0,
+            ITERATOR_FINISHED: self.finished,
+            FORMAT: FORMAT_VERSION,
+        }
+
+    def _worker_snapshot(self, worker: int, delivered, epoch_start) -> dict:
+        # decoded once per new record: a caller that saves every step decodes only
+        # the workers that delivered since (the snapshot's values are immutable but
+        # for the RNG tensors, which nothing writes)
+        cached = self._decoded.get(worker)
+        if cached is None or cached[0] is not delivered or cached[1] is not epoch_start:
+            cached = (delivered, epoch_start, self._decode_worker(worker, delivered, epoch_start))
+            self._decoded[worker] = cached
+        snapshot = dict(cached[2])  # the caller's to change
+        if snapshot[FETCHER_STATE] is not None:
+            snapshot[FETCHER_STATE] = dict(snapshot[FETCHER_STATE])
+        return snapshot
+
+    def _decode_worker(self, worker: int, delivered, epoch_start) -> dict:
+        post, start = _record(delivered), _record(epoch_start)
+        start_rng, start_dataset = (start[0], start[1]) if start else (None, None)
+        snapshot = {WORKER_ID: worker, WORKER_EPOCH_RNG: start_rng, WORKER_EPOCH_DATASET: start_dataset}
+        if post is None:
+            rng, dataset_state, iter_state, fetched, ended = None, start_dataset, None, 0, False
+        else:
+            rng, dataset_state, iter_state, fetched, ended = post
+        snapshot.update({DATASET_STATE: dataset_state, WORKER_RNG: rng, WORKER_FETCHED: fetched,
+                         FETCHER_STATE: ({DATASET_ITER_STATE: iter_state, FETCHER_ENDED: ended}
+                                         if self.iterable else None)})
+        return snapshot
+
+
+class ResumePlan:
+    """A loaded state, checked against the loader that will continue from it."""
+
+    def __init__(self, state: dict, loader):
+        self.state = state
+        if isinstance(state, dict) and SNAPSHOT not in state and NUM_YIELDED in state:
+            raise ValueError(
+                f"this state was saved by a loader with num_workers=0; this one has num_workers="
+                f"{loader.num_workers}. The state is per worker, so it loads only into a loader "
+                "with the same num_workers (torchdata's StatefulDataLoader refuses it too): pass "
+                "num_workers=0.")
+        if not isinstance(state, dict) or SNAPSHOT not in state:
+            raise ValueError(
+                "PoolLoader.load_state_dict() expects a dict from PoolLoader.state_dict() (or "
+                f"StatefulDataLoader.state_dict()) with a {SNAPSHOT!r} key; got "
+                f"{type(state).__name__} with keys {sorted(state)[:8] if isinstance(state, dict) else '-'}")
+        snapshot = state[SNAPSHOT]
+        try:
+            main = snapshot[MAIN_SNAPSHOT]
+            saved_workers = main[NUM_WORKERS]
+            self.position = int(main[SAMPLER_ITER_YIELDED])
+            self.yielded = int(snapshot[SNAPSHOT_STEP]) + int(state.get(STEPS_SINCE_SNAPSHOT, 0))
+            self.last_worker = int(snapshot[LAST_YIELDED_WORKER_ID])
+            self.base_seed = int(main[BASE_SEED])
+            self.workers = snapshot[WORKER_SNAPSHOTS]
+        except KeyError as e:
+            raise ValueError(f"PoolLoader.load_state_dict(): the state has no {e.args[0]!r} entry; "
+                             "pass the dict PoolLoader.state_dict() returned") from None
+        if saved_workers != loader.num_workers:
+            raise ValueError(
+                f"this state was saved by a loader with num_workers={saved_workers}; this one has "
+                f"num_workers={loader.num_workers}. The state is per worker (each worker's random "
+                "state and dataset position), so it loads only into a loader with the same "
+                f"num_workers (torchdata's StatefulDataLoader refuses it too): pass "
+                f"num_workers={saved_workers}.")
+        if STEPS_SINCE_SNAPSHOT in state and state[STEPS_SINCE_SNAPSHOT] and FORMAT not in state:
+            raise ValueError(
+                f"this StatefulDataLoader state is {state[STEPS_SINCE_SNAPSHOT]} steps past its last "
+                "snapshot (snapshot_every_n_steps > 1): PoolLoader resumes from a snapshot only; "
+                "save it with snapshot_every_n_steps=1")
+        self.finished = bool(state.get(ITERATOR_FINISHED, False))
+        self.index_sampler_state = main.get(INDEX_SAMPLER_STATE)
+        self.sampler_iter_state = main.get(SAMPLER_ITER_STATE)
+        self.len_called = main.get(ITERABLEDATASET_LEN_CALLED)
+        rng = main.get(MAIN_RNG) or {}
+        self.epoch_rng = rng.get("epoch_start")
+        self.generators_now = rng.get("generators_now", [])
+        self.pending = list(main.get(PENDING) or [])
+        if self.finished:
+            self.position = self.yielded = 0
+            self.last_worker = loader.num_workers - 1
+            self.pending = []
+        self.persistent = loader.persistent_workers
+        iterable = isinstance(loader.dataset, torch.utils.data.IterableDataset)
+        if iterable and not self.finished:
+            replays = [s.get(WORKER_FETCHED, 0) for s in self.workers.values()
+                       if s and s.get(DATASET_STATE) is None
+                       and (s.get(FETCHER_STATE) or {}).get(DATASET_ITER_STATE) is None]
+            if any(replays) and not is_stateful(loader.dataset):
+                warnings.warn(
+                    "PoolLoader resume: the IterableDataset has no state_dict()/load_state_dict(), so "
+                    f"each worker replays the batches it fetched this epoch (up to {max(replays)}) to "
+                    "get back to where it was. Implement them on the dataset (or its iterator) "
+                    "to resume without the replay.", stacklevel=3)
+
+    def worker_snapshot(self, worker: int) -> dict:
+        return self.workers.get(worker_key(worker)) or {WORKER_ID: worker}
+
+    def records(self, worker: int) -> tuple:
+        """(after its last delivered batch, at the epoch's start) as tracker records."""
+        s = self.worker_snapshot(worker)
+        fetcher_state = s.get(FETCHER_STATE) or {}
+        post: tuple | None = (
+            s.get(WORKER_RNG), s.get(DATASET_STATE), fetcher_state.get(DATASET_ITER_STATE),
+            int(s.get(WORKER_FETCHED, 0) or 0), bool(fetcher_state.get(FETCHER_ENDED, False)))
+        if post is not None and post[0] is None and post[1] is None and post[2] is None and not post[3]:
+            post = None
+        start = None
+        if s.get(WORKER_EPOCH_RNG) is not None or s.get(WORKER_EPOCH_DATASET) is not None:
+            start = (s.get(WORKER_EPOCH_RNG), s.get(WORKER_EPOCH_DATASET), None, 0, False)
+        return post, start
+
+    def worker(self, worker: int) -> dict | None:
+        """What worker `worker` applies at start (WorkerProgress.first_fetcher)."""
+        s = self.worker_snapshot(worker)
+        if self.finished:
+            if not self.persistent:
+                return None  # a fresh epoch of fresh workers
+            # a persistent worker starts the next epoch where its last reply left it
+            rng, dataset_state = s.get(WORKER_EPOCH_RNG), s.get(WORKER_EPOCH_DATASET)
+            return {DATASET_STATE: dataset_state, WORKER_EPOCH_RNG: _for_worker(rng),
+                    WORKER_RNG: None, WORKER_FETCHED: 0, FETCHER_STATE: None}
+        return {DATASET_STATE: s.get(DATASET_STATE),
+                WORKER_EPOCH_RNG: _for_worker(s.get(WORKER_EPOCH_RNG)),
+                WORKER_RNG: _for_worker(s.get(WORKER_RNG)),
+                WORKER_FETCHED: int(s.get(WORKER_FETCHED, 0) or 0),
+                FETCHER_STATE: s.get(FETCHER_STATE)}
