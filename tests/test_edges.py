@@ -103,8 +103,9 @@ def test_nested_tensors_take_the_pickled_fallback():
 
 def test_persistent_loader_after_a_worker_died_says_so():
     for cls in BOTH:
+        # timeout: DataLoader's second epoch waits for the dead worker's reply until then
         loader = cls(ds.PidDataset(n=40), batch_size=2, num_workers=2, persistent_workers=True,
-                     timeout=30)
+                     timeout=5)
         it = iter(loader)
         os.kill(int(next(it)[0, 1]), signal.SIGKILL)
         with pytest.raises(RuntimeError, match="exited unexpectedly"):
