@@ -45,6 +45,7 @@ import time
 import types
 import typing
 import weakref
+from collections.abc import Iterator
 from typing import ClassVar
 
 import torch.utils.data
@@ -143,7 +144,7 @@ def enabled() -> bool:
 
 
 @contextlib.contextmanager
-def recording():
+def recording() -> Iterator[dict]:
     """Within the block, every `DataLoader` (or subclass) construction in this process is
     recorded: yields a dict {id(loader): (args, kwargs)} of the exact call, so a caller
     can rebuild a loader someone else built (poolloader.accelerate does)."""
