@@ -7,7 +7,7 @@ import gc
 import loader_datasets as ds
 import numpy as np
 import torch
-from test_loader import assert_same
+from compare import assert_same
 from torch.utils.data import default_collate
 
 from poolloader import codec, slot_collate, slot_empty

@@ -15,6 +15,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from compare import assert_same
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
@@ -33,31 +34,8 @@ _END = object()
 # -- helpers ---------------------------------------------------------------------------------
 
 def assert_exact(a, b, path="x"):
-    """Same type, dtype, shape and bits (NaN and -0.0 included), recursively."""
-    assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__}"
-    if isinstance(a, torch.Tensor):
-        assert (a.dtype, a.shape, a.device) == (b.dtype, b.shape, b.device), \
-            f"{path}: {a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
-        if a.is_floating_point():
-            bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-            assert torch.equal(a.view(bits), b.view(bits)), f"{path}: bits differ"
-        else:
-            assert torch.equal(a, b), f"{path}: values differ"
-    elif isinstance(a, PackedTargets):
-        assert a.stacked == b.stacked, path
-        assert_exact(a.counts, b.counts, f"{path}.counts")
-        assert_exact(a.fields, b.fields, f"{path}.fields")
-        assert_exact(a.as_list(), b.as_list(), f"{path}.as_list()")
-    elif isinstance(a, dict):
-        assert list(a) == list(b), f"{path}: keys {list(a)} != {list(b)}"
-        for k in a:
-            assert_exact(a[k], b[k], f"{path}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), f"{path}: length {len(a)} != {len(b)}"
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_exact(x, y, f"{path}[{i}]")
-    else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
+    """The tests' comparator (tests/compare.py), without the memory-layout check."""
+    assert_same(a, b, path, strides=False)
 
 
 def assert_round_trip(packed, originals):

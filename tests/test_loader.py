@@ -1,7 +1,6 @@
 """PoolLoader against DataLoader: one body, two loaders, bit-for-bit equal batches."""
 from __future__ import annotations
 
-import dataclasses
 import gc
 import inspect
 import os
@@ -13,40 +12,13 @@ import loader_datasets as ds
 import numpy as np
 import pytest
 import torch
+from compare import assert_same
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorDataset
 
 from poolloader import PoolLoader, WorkerDied
 from poolloader.segments import NAME_TAG
 
 LOADERS = [DataLoader, PoolLoader]
-
-
-def assert_same(a, b, path="batch"):
-    assert type(a) is type(b), f"{path}: {type(a)} != {type(b)}"
-    if isinstance(a, torch.Tensor):
-        if a.layout != torch.strided:
-            assert torch.equal(a.to_dense(), b.to_dense()), path
-            return
-        assert a.dtype == b.dtype and a.shape == b.shape, \
-            f"{path}: {a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
-        assert a.stride() == b.stride(), f"{path}: strides {a.stride()} != {b.stride()}"
-        assert torch.equal(a, b), f"{path}: values differ"
-    elif isinstance(a, np.ndarray):
-        assert a.dtype == b.dtype and a.shape == b.shape, path
-        assert a.flags.c_contiguous == b.flags.c_contiguous, path
-        np.testing.assert_array_equal(a, b)
-    elif isinstance(a, dict):
-        assert list(a) == list(b), path
-        for k in a:
-            assert_same(a[k], b[k], f"{path}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{path}[{i}]")
-    elif dataclasses.is_dataclass(a):
-        assert_same(dataclasses.asdict(a), dataclasses.asdict(b), path)
-    else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
 
 
 def run_epochs(cls, dataset, epochs=1, **kw):

@@ -18,7 +18,7 @@ import loader_datasets as ds
 import pytest
 import torch
 import torch.multiprocessing as mp
-from test_loader import assert_same
+from compare import assert_same
 from torch.utils.data import DataLoader, TensorDataset
 
 from poolloader import PoolLoader
