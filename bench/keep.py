@@ -20,11 +20,10 @@ Cells: row × what is kept:
 
 Arms: `DataLoader` (default sharing strategy, file_descriptor on Linux) and
 `PoolLoader` with the same arguments (`--workers`, prefetch_factor 2,
-pin_memory off, timeout `--timeout`). PoolLoader gets `max_slots` large enough
-for every batch (batches + workers × prefetch + 10) when its signature still
-has that knob (inspect.signature): without it a pool whose consumer keeps every
-batch raises PoolExhausted by design; a PoolLoader without the knob runs with
-its defaults.
+pin_memory off, timeout `--timeout`). PoolLoader runs with its defaults: a
+consumer that keeps every batch makes it detach the oldest held slot's segment
+for each new request (the batch keeps it, the pool gets a fresh one), which is
+what "all" measures.
 
 Method, per measurement (cell × arm), via bench/common.py's interleave:
 create the loader and `iter()` it (worker start and pool creation untimed),
@@ -49,7 +48,6 @@ Usage:
 """
 from __future__ import annotations
 
-import inspect
 import os
 import sys
 import time
@@ -71,9 +69,7 @@ METRICS = ("main_cpu_ms", "shm_mib", "kept_mib", "fds", "rss_mib", "shm_after_mi
 
 
 def pool_options(args) -> dict:
-    """`max_slots` for every batch the consumer keeps, if PoolLoader has that knob."""
-    if "max_slots" in inspect.signature(PoolLoader).parameters:
-        return {"max_slots": args.batches + args.workers * PREFETCH + 10}
+    """PoolLoader's own options: none (its defaults; held batches are detached)."""
     return {}
 
 
