@@ -107,3 +107,22 @@ def leftovers(pids, marker, settle_s=5.0):
         if not (names or procs) or time.monotonic() > deadline:
             return names, procs
         time.sleep(0.1)
+
+
+def pid_running(pid: int) -> bool:
+    """Alive and not a zombie (a pid of this process's PID namespace)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+def wait_until(predicate, timeout: float) -> bool:
+    """Poll `predicate` every 20 ms; False if it is still false after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True

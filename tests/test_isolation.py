@@ -21,6 +21,8 @@ import time
 import numpy as np
 import pytest
 import robustness_datasets as rds
+from helpers import pid_running as running
+from helpers import wait_until
 
 from poolloader import ControlCorrupt, PoolLoader, SlotCorrupt
 from poolloader.control import Control
@@ -35,24 +37,6 @@ START_METHODS = ["fork", "spawn", "forkserver"]
 
 def names_with(prefix: str) -> list[str]:
     return sorted(n for n in os.listdir(SHM) if ("/" + n).startswith(prefix + "-"))
-
-
-def running(pid: int) -> bool:
-    """Alive and not a zombie (pids of this test's namespace)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
-
-
-def wait_until(predicate, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def run_child(*args, timeout: float, prefix=()) -> tuple[subprocess.CompletedProcess, dict]:

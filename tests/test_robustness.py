@@ -22,6 +22,8 @@ import numpy as np
 import pytest
 import robustness_datasets as rds
 import torch
+from helpers import pid_running as running
+from helpers import wait_until
 from torch.utils.data import DataLoader
 
 from poolloader import PoolLoader, SlotCorrupt, WorkerDied, codec
@@ -54,24 +56,6 @@ def figures(stdout: str) -> dict:
 
 def names_with(prefix: str) -> list:
     return [n for n in os.listdir(SHM) if ("/" + n).startswith(prefix)]
-
-
-def running(pid: int) -> bool:
-    """Alive and not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
-
-
-def wait_until(predicate, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 # -- 1. the slot decoder under corrupt input ------------------------------------------------
