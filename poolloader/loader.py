@@ -18,7 +18,8 @@ new_loader_observers: list[Callable[[PoolLoader], None]] = []
 
 
 class PoolLoader(DataLoader[T_co]):
-    """A drop-in `DataLoader`. With `num_workers=0` it *is* DataLoader.
+    """A drop-in `DataLoader`. With `num_workers=0` it is DataLoader (its own
+    single-process iterator, counted for `state_dict()`).
 
     With workers, each batch is written by a worker into a preallocated,
     reused shared-memory slot and the main process receives only the slot's
