@@ -87,7 +87,8 @@ class SlotLedger:
     # -- FREE -----------------------------------------------------------------------
     def take(self, min_bytes: int = 0) -> int:
         """A slot for a new request (at least `min_bytes`, and the current target
-        size), now: FREE, else the oldest LEASED one detached, else a new one."""
+        size), now: FREE; else a new one up to `capacity` (on CUDA, further while slots
+        cool); else a cooling one (bounded wait); else the oldest LEASED one, detached."""
         if self.released:
             self.drain()
         gate = self.gate
