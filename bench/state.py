@@ -153,24 +153,30 @@ class One:
         return torch.full((self.numel,), i, dtype=torch.float32)
 
 
-def per_batch_child(batches: int, sleep_s: float) -> None:
-    """Child: µs per batch for next()+del with the batch waiting; prints JSON."""
-    from poolloader import PoolLoader
-    loader = PoolLoader(One(), batch_size=None, num_workers=2)
-    it = iter(loader)
-    for _ in range(20):  # warm up
+def timed_next(it, batches: int, sleep_s: float) -> tuple[float, float]:
+    """After 20 warm-up batches: (median wall µs, mean main-thread CPU µs) of next()+del
+    per batch, each after `sleep_s` so the batch is waiting."""
+    for _ in range(20):
         next(it)
-    times, cpu = [], []
+    wall, cpu = [], []
     for _ in range(batches):
         time.sleep(sleep_s)
         t0, c0 = time.perf_counter(), time.thread_time()
         batch = next(it)
         del batch
         cpu.append(time.thread_time() - c0)
-        times.append(time.perf_counter() - t0)
+        wall.append(time.perf_counter() - t0)
+    return statistics.median(wall) * 1e6, sum(cpu) / len(cpu) * 1e6
+
+
+def per_batch_child(batches: int, sleep_s: float) -> None:
+    """Child: µs per batch for next()+del with the batch waiting; prints JSON."""
+    from poolloader import PoolLoader
+    loader = PoolLoader(One(), batch_size=None, num_workers=2)
+    it = iter(loader)
+    median_us, cpu_us = timed_next(it, batches, sleep_s)
     del it, loader
-    print(json.dumps({"median_us": statistics.median(times) * 1e6,
-                      "cpu_us": sum(cpu) / len(cpu) * 1e6}))
+    print(json.dumps({"median_us": median_us, "cpu_us": cpu_us}))
 
 
 def hooks_ab(rounds: int, batches: int, sleep_s: float) -> dict:
@@ -204,18 +210,9 @@ def hooks_ab(rounds: int, batches: int, sleep_s: float) -> dict:
         it = iter(loader)
         if off:
             it.__class__, it._resume.__class__ = Off, Quiet
-        for _ in range(20):
-            next(it)
-        wall, cpu = [], []
-        for _ in range(batches):
-            time.sleep(sleep_s)
-            t0, c0 = time.perf_counter(), time.thread_time()
-            batch = next(it)
-            del batch
-            cpu.append(time.thread_time() - c0)
-            wall.append(time.perf_counter() - t0)
+        result = timed_next(it, batches, sleep_s)
         del it, loader
-        return statistics.median(wall) * 1e6, sum(cpu) / len(cpu) * 1e6
+        return result
 
     out = {"on": {"wall": [], "cpu": []}, "off": {"wall": [], "cpu": []}}
     for r in range(2 * rounds):

@@ -16,7 +16,6 @@ it attached (see control.py).
 from __future__ import annotations
 
 import os
-import secrets
 
 import numpy as np
 import posix_ipc
@@ -25,21 +24,18 @@ from poolloader._shm import Mapping
 from poolloader.control import H_GROWTH, H_MAIN_PID, H_NUM_SLOTS, Control, ControlLayout
 from poolloader.errors import ControlCorrupt
 from poolloader.segments import (
-    _CLAIM_TRIES,
-    NAME_TAG,
     SHM_LIMIT_ENV,
-    _create,
-    _held_lock_fds,
-    _NameLost,
-    _pool_names,
-    _space_error,
+    claim_control,
     control_name,
     create_segment,
     open_segment,
     page_round,
+    pool_names,
+    release_owner_lock,
     retire,
     shm_free_bytes,
     slot_name,
+    space_error,
     sweep_stale,
     unlink_quietly,
 )
@@ -83,7 +79,7 @@ class SlotPool:
             needed = lay.nbytes + slots * self.target_bytes
             free = shm_free_bytes()
             if needed > free:
-                raise _space_error(needed, free, f"a pool of {slots} slots of {self.target_bytes} bytes")
+                raise space_error(needed, free, f"a pool of {slots} slots of {self.target_bytes} bytes")
             self._claim_control(lay.nbytes)
             self.control = Control(self._control_mapping, num_workers, max_slots, create=True)
             self.control.header[H_MAIN_PID] = os.getpid()
@@ -95,22 +91,10 @@ class SlotPool:
 
     def _claim_control(self, nbytes: int) -> None:
         """Create the control segment under a fresh prefix and hold its owner lock."""
-        for _ in range(_CLAIM_TRIES):
-            prefix = f"/{NAME_TAG}-{self._owner_pid}-{secrets.token_hex(8)}"
-            name = control_name(prefix)
-            try:
-                mapping, fd = _create(name, nbytes, "the control block", 0, self.shm_limit,
-                                      dontfork=True, claim=True)
-            except _NameLost:
-                continue
-            assert fd is not None
-            self.prefix, self._control_name = prefix, name
-            self._control_mapping, self._lock_fd = mapping, fd
-            _held_lock_fds.add(fd)
-            self._names.add(name)
-            return
-        raise RuntimeError(f"internal error: {_CLAIM_TRIES} new control segments in a row were "
-                           "unlinked by other processes before this one could lock them")
+        prefix, mapping, fd = claim_control(self._owner_pid, nbytes, self.shm_limit)
+        self.prefix, self._control_name = prefix, control_name(prefix)
+        self._control_mapping, self._lock_fd = mapping, fd
+        self._names.add(self._control_name)
 
     # -- sizes ---------------------------------------------------------------
     @property
@@ -285,8 +269,7 @@ class SlotPool:
             retire(self._control_mapping)
             self._control_mapping = None  # type: ignore[assignment]
         if self._lock_fd is not None:
-            _held_lock_fds.discard(self._lock_fd)
-            os.close(self._lock_fd)  # drops the owner lock: the names are gone already
+            release_owner_lock(self._lock_fd)  # the names are gone already
             self._lock_fd = None
         if failure is not None:
             raise failure
@@ -367,5 +350,5 @@ class WorkerSlots:
 
         Found by listing /dev/shm for the prefix, not from the slot table, which
         any process of the pool could have overwritten."""
-        for name in _pool_names(self.prefix):
+        for name in pool_names(self.prefix):
             unlink_quietly(name)

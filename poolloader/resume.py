@@ -146,7 +146,7 @@ def set_rng(plain: dict) -> None:
     torch.set_rng_state(state)
 
 
-def _for_worker(plain: dict | None) -> dict | None:
+def rng_for_worker(plain: dict | None) -> dict | None:
     """An RNG state to hand a worker at start: its torch part as bytes, so the worker's
     arguments carry no tensor (spawn would send one through torch's fd passing)."""
     if plain is None:
@@ -174,18 +174,18 @@ def main_rng(generators) -> dict:
     return state
 
 
-def _set_main_rng(state: dict, generators) -> None:
+def set_main_rng(state: dict, generators) -> None:
     set_rng(state)
-    _set_generators(state.get("generators", []), generators)
+    set_generators(state.get("generators", []), generators)
 
 
-def _set_generators(states, generators) -> None:
+def set_generators(states, generators) -> None:
     if len(states) != len(generators):
         raise ValueError(
             f"this state was saved by a loader whose sampler drew from {len(states)} "
             f"torch.Generator(s); this loader's draws from {len(generators)}: build the loader "
             "with the same sampler and generator= as the one that saved it")
-    for g, s in zip(generators, states, strict=True):
+    for g, s in zip(generators, states):  # lengths checked above
         g.set_state(s)
 
 
@@ -265,7 +265,7 @@ class WorkerProgress:
                             protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def _record(entry) -> tuple | None:
+def decode_record(entry) -> tuple | None:
     """(plain rng or None, dataset state, iterator state, fetched, ended) of a reply's
     record bytes; a tuple (carried over from a loaded state) is already one."""
     if entry is None or isinstance(entry, tuple):

@@ -26,13 +26,13 @@ from poolloader.resume import (
     SAMPLER_ITER_YIELDED,
     SHARED_SEED,
     SNAPSHOT,
-    _set_generators,
-    _set_main_rng,
     capture_rng,
     is_stateful,
     main_rng,
     plain_rng,
     sampler_generators,
+    set_generators,
+    set_main_rng,
     set_rng,
 )
 from poolloader.resume_state import ResumePlan
@@ -61,14 +61,14 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         if plan is None:
             return
         if caller_rng is None:  # saved after its epoch ended: a new epoch
-            _set_generators((plan.get(MAIN_RNG) or {}).get("generators_now", []), self._generators)
+            set_generators((plan.get(MAIN_RNG) or {}).get("generators_now", []), self._generators)
             self._epoch_rng = main_rng(self._generators)
             return
         epoch_rng = (plan.get(MAIN_RNG) or {}).get("epoch_start")
         try:
             if epoch_rng is not None:
                 self._epoch_rng = epoch_rng
-                _set_main_rng(epoch_rng, self._generators)
+                set_main_rng(epoch_rng, self._generators)
             self._resume(plan)
         finally:
             # The caller's RNG as it was (this iterator's base seed was drawn when the
@@ -99,7 +99,7 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
             except StopIteration:
                 self._sampler_iter = iter(())
         else:  # nothing drew from them but the base seed
-            _set_generators((state.get(MAIN_RNG) or {}).get("generators_now", []), self._generators)
+            set_generators((state.get(MAIN_RNG) or {}).get("generators_now", []), self._generators)
         self._position = position
         self._num_yielded = int(state[NUM_YIELDED])
         self._IterableDataset_len_called = state.get(ITERABLEDATASET_LEN_CALLED)

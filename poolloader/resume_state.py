@@ -42,15 +42,15 @@ from poolloader.resume import (
     WORKER_ID,
     WORKER_RNG,
     WORKER_SNAPSHOTS,
-    _for_worker,
-    _record,
-    _set_generators,
-    _set_main_rng,
     capture_rng,
+    decode_record,
     is_stateful,
     main_rng,
     plain_rng,
+    rng_for_worker,
     sampler_generators,
+    set_generators,
+    set_main_rng,
     set_rng,
     worker_key,
 )
@@ -84,7 +84,7 @@ class ResumeTracker:
         self._new_epoch_counters()
         if plan is not None and plan.finished:
             # a new epoch after the saved one: the sampler's generators as they were then
-            _set_generators(plan.generators_now, self.generators)
+            set_generators(plan.generators_now, self.generators)
             if not self.persistent and loader.generator is not None:
                 # DataLoader draws each epoch's base seed from it: draw again, from its
                 # restored state (without generator= the seed came from the global RNG,
@@ -149,7 +149,7 @@ class ResumeTracker:
         if plan.epoch_rng is not None:
             caller_rng = plain_rng(capture_rng())
             plan_rng = plan.epoch_rng
-            _set_main_rng(plan_rng, self.generators)
+            set_main_rng(plan_rng, self.generators)
         try:
             if self.sampler_stateful and (plan.index_sampler_state is not None
                                           or plan.sampler_iter_state is not None):
@@ -181,7 +181,7 @@ class ResumeTracker:
             next(it._worker_queue_idx_cycle)
         self.replay.extend(plan.pending)
         if self.iterable:  # nothing drew from them this epoch but the base seed
-            _set_generators(plan.generators_now, self.generators)
+            set_generators(plan.generators_now, self.generators)
         for worker in range(self.num_workers):
             post, start = plan.records(worker)
             self.delivered[worker] = post
@@ -303,7 +303,7 @@ class ResumeTracker:
         return snapshot
 
     def _decode_worker(self, worker: int, delivered, epoch_start) -> dict:
-        post, start = _record(delivered), _record(epoch_start)
+        post, start = decode_record(delivered), decode_record(epoch_start)
         start_rng, start_dataset = (start[0], start[1]) if start else (None, None)
         snapshot = {WORKER_ID: worker, WORKER_EPOCH_RNG: start_rng, WORKER_EPOCH_DATASET: start_dataset}
         if post is None:
@@ -406,10 +406,10 @@ class ResumePlan:
                 return None  # a fresh epoch of fresh workers
             # a persistent worker starts the next epoch where its last reply left it
             rng, dataset_state = s.get(WORKER_EPOCH_RNG), s.get(WORKER_EPOCH_DATASET)
-            return {DATASET_STATE: dataset_state, WORKER_EPOCH_RNG: _for_worker(rng),
+            return {DATASET_STATE: dataset_state, WORKER_EPOCH_RNG: rng_for_worker(rng),
                     WORKER_RNG: None, WORKER_FETCHED: 0, FETCHER_STATE: None}
         return {DATASET_STATE: s.get(DATASET_STATE),
-                WORKER_EPOCH_RNG: _for_worker(s.get(WORKER_EPOCH_RNG)),
-                WORKER_RNG: _for_worker(s.get(WORKER_RNG)),
+                WORKER_EPOCH_RNG: rng_for_worker(s.get(WORKER_EPOCH_RNG)),
+                WORKER_RNG: rng_for_worker(s.get(WORKER_RNG)),
                 WORKER_FETCHED: int(s.get(WORKER_FETCHED, 0) or 0),
                 FETCHER_STATE: s.get(FETCHER_STATE)}

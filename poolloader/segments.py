@@ -65,6 +65,7 @@ import errno
 import fcntl
 import os
 import re
+import secrets
 
 import posix_ipc
 
@@ -171,7 +172,7 @@ class OwnerProbe:
         return self._fd is not None and _owner_lock_held(self._fd)
 
 
-def _pool_names(prefix: str) -> list[str]:
+def pool_names(prefix: str) -> list[str]:
     """Every name in /dev/shm of the pool `prefix`, slot names before the control name."""
     stem = prefix.lstrip("/") + "-"
     try:
@@ -209,7 +210,7 @@ def _sweep_pool(prefix: str) -> list[str]:
         if not _take_owner_lock(shm.fd):
             return []  # its owner lives (or another sweeper is at it)
         removed = []
-        for name in _pool_names(prefix):  # listed again under the lock: all of them
+        for name in pool_names(prefix):  # listed again under the lock: all of them
             try:
                 posix_ipc.unlink_shared_memory(name)
                 removed.append(name)
@@ -251,7 +252,7 @@ def _create(name: str, nbytes: int, what: str, pool_bytes: int, limit: int | Non
             f"(shm_limit= or ${SHM_LIMIT_ENV}); {free} bytes are free in {SHM_DIR}. "
             "Raise the cap, or lower slot_bytes, prefetch_factor or num_workers.")
     if nbytes > free:
-        raise _space_error(nbytes, free, what)
+        raise space_error(nbytes, free, what)
     shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=nbytes)
     keep_fd = False
     try:
@@ -263,7 +264,7 @@ def _create(name: str, nbytes: int, what: str, pool_bytes: int, limit: int | Non
             os.posix_fallocate(shm.fd, 0, nbytes)
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
-                raise _space_error(nbytes, shm_free_bytes(), what) from None
+                raise space_error(nbytes, shm_free_bytes(), what) from None
             if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                 raise
         mapping = Mapping(shm.fd, nbytes, dontfork)
@@ -299,7 +300,7 @@ def open_segment(name: str) -> Mapping:
         shm.close_fd()
 
 
-def _space_error(nbytes: int, free: int, what: str) -> ShmSpaceError:
+def space_error(nbytes: int, free: int, what: str) -> ShmSpaceError:
     return ShmSpaceError(
         f"poolloader needs {nbytes} bytes of {SHM_DIR} for {what}, but only {free} bytes are "
         f"free. Enlarge {SHM_DIR} (Docker: --shm-size=2g or larger; Kubernetes: an emptyDir "
@@ -312,3 +313,27 @@ def retire(mapping) -> None:
         mapping.close()
     except BufferError:
         pass
+
+
+def claim_control(owner_pid: int, nbytes: int, limit: int | None) -> tuple[str, Mapping, int]:
+    """A new pool's control segment under a fresh prefix, with its owner lock held:
+    (prefix, mapping, locked descriptor). Retries under a new token if a sweeper takes
+    the name before the lock (module docstring)."""
+    for _ in range(_CLAIM_TRIES):
+        prefix = f"/{NAME_TAG}-{owner_pid}-{secrets.token_hex(8)}"
+        try:
+            mapping, fd = _create(control_name(prefix), nbytes, "the control block", 0, limit,
+                                  dontfork=True, claim=True)
+        except _NameLost:
+            continue
+        assert fd is not None
+        _held_lock_fds.add(fd)
+        return prefix, mapping, fd
+    raise RuntimeError(f"internal error: {_CLAIM_TRIES} new control segments in a row were "
+                       "unlinked by other processes before this one could lock them")
+
+
+def release_owner_lock(fd: int) -> None:
+    """Close a pool's locked descriptor: its owner lock goes with it."""
+    _held_lock_fds.discard(fd)
+    os.close(fd)
