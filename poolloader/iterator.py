@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import time
 
 import torch
 from torch._utils import ExceptionWrapper
@@ -26,14 +25,11 @@ from poolloader import codec, cuda, supervise
 from poolloader import slot_format as fmt
 from poolloader.cuda_runtime import TorchCuda
 from poolloader.errors import ControlCorrupt, SlotCorrupt, WorkerDied
-from poolloader.ledger import SlotLedger, default_slots, slot_capacity
+from poolloader.ledger import SlotLedger, plan_sizes
 from poolloader.pool import SlotPool
 from poolloader.resume_state import ResumeTracker
 from poolloader.stats import LoaderStats
 from poolloader.worker import WorkerConfig, worker_loop
-
-# How long main sleeps between liveness checks while waiting (seconds).
-MAIN_TICK = 0.1
 
 
 class PoolLoaderIter(_MultiProcessingDataLoaderIter):
@@ -51,6 +47,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         # set below; None only while __init__ has not made them (a failed start)
         self._pool: SlotPool = None  # type: ignore[assignment]
         self._ledger: SlotLedger = None  # type: ignore[assignment]
+        self._replies: supervise.Replies = None  # type: ignore[assignment]
         self._prefetch_factor = loader.prefetch_factor
         self._in_order = loader.in_order
         self._stats: LoaderStats = loader.stats
@@ -61,28 +58,21 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                                               getattr(self, "_pin_memory_device", None))
         self._pin_small = self._gate is not None and isinstance(self._gate._rt, TorchCuda)
         n = self._num_workers
-        slots = loader.slots if loader.slots is not None else default_slots(n, self._prefetch_factor)
-        capacity = slot_capacity(slots, n, self._prefetch_factor, loader.max_slots)
-        cooling = capacity if self._gate is not None else 0  # slots cooling behind copies
-        max_slots = loader.max_slots if loader.max_slots is not None else capacity + cooling
-        # a previous pool of this loader already learned how big batches are
-        slot_bytes = max(loader.slot_bytes, loader.stats.learned_slot_bytes, fmt.MIN_SLOT_BYTES)
+        size = plan_sizes(loader, gated=self._gate is not None)
         self._epoch = 0
         # state_dict()/load_state_dict(): takes the base seed of a loaded state, if any
         self._resume = ResumeTracker(self, loader, loader._take_resume_plan())
         ctx = loader.multiprocessing_context or torch.multiprocessing
         self._pool = SlotPool(
-            n, min(slots, max_slots), max_slots, slot_bytes, loader.shm_limit,
+            n, size.slots, size.max_slots, size.slot_bytes, loader.shm_limit,
             on_map=self._gate.register if self._gate else None,
             on_unmap=self._gate.unregister if self._gate else None)
-        self._ledger = SlotLedger(self._pool, self._stats, self._gate, capacity)
+        self._ledger = SlotLedger(self._pool, self._stats, self._gate, size.capacity)
         self._shutdown = False
         try:
-            control = self._pool.control
-            self._request_rings = control.request_rings
-            self._done_rings = control.done_rings
-            self._doorbell = control.doorbell
-            self._poll_start = 0
+            self._request_rings = self._pool.control.request_rings
+            self._replies = supervise.Replies(self._pool.control, self._workers, self._timeout,
+                                              self._stats, on_tick=self._pool.unlink_mapped)
             for i in range(n):
                 cfg = WorkerConfig(
                     dataset_kind=self._dataset_kind, dataset=self._dataset,
@@ -112,7 +102,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
     def prefetched(self) -> tuple[int, int]:
         """(replies waiting for main, requests in flight): a benchmark waits until the
         first equals the second before it times a next() that only hands off."""
-        return sum(len(r) for r in self._done_rings), len(self._ledger.inflight)
+        return self._replies.waiting(), len(self._ledger.inflight)
 
     # -- epochs --------------------------------------------------------------
     def _reset(self, loader, first_iter=False) -> None:
@@ -242,62 +232,23 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         self._request_rings[worker].push(slot, timeout=None)
 
     # -- waiting -------------------------------------------------------------------
-    def _poll_done(self):
-        rings = self._done_rings
-        n = len(rings)
-        start = self._poll_start
-        for k in range(n):
-            w = (start + k) % n
-            slot = rings[w].try_pop()
-            if slot is not None:
-                self._poll_start = (w + 1) % n
-                return slot, w
-        return None
-
     def _wait_returned(self) -> tuple[int, int]:
-        """Block until some worker returns a slot; (slot, worker). Bounded by
-        `timeout=` and by worker liveness, checked every MAIN_TICK. A corrupt control
-        block stops everything before the error reaches the caller."""
+        """Block until some worker returns a slot (supervise.Replies: bounded by
+        `timeout=` and worker liveness); (slot, worker). A dead worker, a corrupt
+        control block or a slot main did not give stops everything before the error
+        reaches the caller."""
         try:
-            return self._wait_returned_unchecked()
-        except ControlCorrupt as e:
+            slot, worker = self._replies.wait()
+        except (ControlCorrupt, WorkerDied) as e:
             self._fail(e)
             raise
-
-    def _wait_returned_unchecked(self) -> tuple[int, int]:
-        got = self._poll_done()
-        if got is None:
-            # Rings found on a poll leave their doorbell tokens behind; drop them,
-            # then poll once more, so the wait below sleeps instead of spinning.
-            while self._doorbell.wait(0.0):
-                pass
-            got = self._poll_done()
-        if got is None:
-            t0 = time.perf_counter()
-            deadline = time.monotonic() + self._timeout if self._timeout > 0 else None
-            while got is None:
-                wait = MAIN_TICK
-                if deadline is not None:
-                    wait = min(wait, deadline - time.monotonic())
-                    if wait <= 0:
-                        raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
-                if not self._doorbell.wait(wait):
-                    try:
-                        supervise.check_alive(self._workers)
-                    except WorkerDied as e:
-                        self._fail(e)
-                        raise
-                    self._pool.unlink_mapped()
-                got = self._poll_done()
-            self._stats.main_wait_s += time.perf_counter() - t0
-        slot, worker = got
         expected = self._ledger.inflight.get(slot)
         if expected is None or expected[1] != worker:
             error = SlotCorrupt(f"worker {worker} returned slot {slot}, which main did not give it")
             self._fail(error)
             raise error
         self._pool.unlink_mapped()
-        return got
+        return slot, worker
 
     # -- delivery -------------------------------------------------------------------
     def _next_data(self):
@@ -418,8 +369,9 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                 ring.close()
         finally:
             supervise.stop(self._workers)
-            self._request_rings = self._done_rings = []
-            self._doorbell = None  # type: ignore[assignment]
+            self._request_rings = []
+            if self._replies is not None:
+                self._replies.close()
             if self._stager is not None:
                 self._stager.close()
             if self._ledger is not None:

@@ -22,14 +22,13 @@ from __future__ import annotations
 import collections
 import os
 import warnings
+from typing import NamedTuple
 
 from poolloader import slot_format as fmt
 from poolloader._shm import share_leased_with_children
 from poolloader.cuda import COOL_TIMEOUT_S
 from poolloader.errors import ShmSpaceError, SlotCorrupt
 from poolloader.pool import SlotPool
-
-# Headroom when a slot grows.
 from poolloader.segments import page_round, retire
 
 # Headroom when a slot grows.
@@ -52,6 +51,25 @@ def slot_capacity(slots: int, num_workers: int, prefetch_factor: int,
     pool_growths); never past `max_slots`."""
     capacity = max(slots, default_slots(num_workers, prefetch_factor))
     return capacity if max_slots is None else min(capacity, max_slots)
+
+
+class Sizing(NamedTuple):
+    slots: int  # segments made at start
+    capacity: int  # slots before a held batch is detached
+    max_slots: int  # the control block's ring size: never more slots than this
+    slot_bytes: int  # each new segment's size
+
+
+def plan_sizes(loader, gated: bool) -> Sizing:
+    """A new pool's sizes from the loader's knobs. With a CUDA gate, as many slots
+    again may cool behind copies; a previous pool of this loader already learned how
+    big batches are (stats.learned_slot_bytes)."""
+    n, prefetch = loader.num_workers, loader.prefetch_factor
+    slots = loader.slots if loader.slots is not None else default_slots(n, prefetch)
+    capacity = slot_capacity(slots, n, prefetch, loader.max_slots)
+    max_slots = loader.max_slots if loader.max_slots is not None else capacity * (2 if gated else 1)
+    slot_bytes = max(loader.slot_bytes, loader.stats.learned_slot_bytes, fmt.MIN_SLOT_BYTES)
+    return Sizing(min(slots, max_slots), capacity, max_slots, slot_bytes)
 
 
 class SlotLedger:

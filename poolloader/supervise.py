@@ -1,4 +1,4 @@
-"""Worker processes: start, watch, stop — the teardown ladder in one place.
+"""Worker processes: start, watch, wait for, stop — the teardown ladder in one place.
 
 Main keeps no pipe per worker (invariant 2): multiprocessing keeps two pipe ends
 in the parent for each fork or spawn child, serving only `Process.join(timeout)`
@@ -21,6 +21,8 @@ from poolloader.errors import WorkerDied
 
 # How long shutdown waits for workers to leave by themselves before terminating them.
 JOIN_TIMEOUT = 1.0
+# How long main sleeps between liveness checks while waiting for a reply (seconds).
+MAIN_TICK = 0.1
 
 # Start methods whose Popen.poll() uses waitpid, not the sentinel pipe.
 _WAITPID_POPENS = ("multiprocessing.popen_fork", "multiprocessing.popen_spawn_posix")
@@ -135,3 +137,70 @@ def check_alive(processes) -> None:
                 f"{describe_exit(w.exitcode)}. If it was killed for memory (signal 9), lower "
                 "num_workers or batch_size; run with num_workers=0 to see the error in "
                 "the main process.")
+
+
+class Replies:
+    """Main's side of the done rings: which worker returned which slot.
+
+    `wait()` pops the next returned slot, polling the rings round-robin from the
+    one after the last that answered (so no worker starves); with none returned it
+    sleeps on the doorbell, checks worker liveness every MAIN_TICK and calls
+    `on_tick()`, bounded by DataLoader's `timeout` (0: no limit). The time spent
+    waiting is added to `stats.main_wait_s`."""
+
+    def __init__(self, control, workers, timeout: float, stats, on_tick) -> None:
+        self._rings = control.done_rings
+        self._doorbell = control.doorbell
+        self._workers = workers
+        self._timeout = timeout
+        self._stats = stats
+        self._on_tick = on_tick
+        self._start = 0
+
+    def waiting(self) -> int:
+        """Replies returned and not yet taken by main."""
+        return sum(len(r) for r in self._rings)
+
+    def _poll(self) -> tuple[int, int] | None:
+        rings = self._rings
+        n = len(rings)
+        for k in range(n):
+            w = (self._start + k) % n
+            slot = rings[w].try_pop()
+            if slot is not None:
+                self._start = (w + 1) % n
+                return slot, w
+        return None
+
+    def wait(self) -> tuple[int, int]:
+        """(slot, worker) of the next reply. Raises WorkerDied, ControlCorrupt (from a
+        ring), or RuntimeError once `timeout` passes, DataLoader's message."""
+        got = self._poll()
+        if got is None:
+            # Rings found on a poll leave their doorbell tokens behind; drop them,
+            # then poll once more, so the wait below sleeps instead of spinning.
+            while self._doorbell.wait(0.0):
+                pass
+            got = self._poll()
+        if got is not None:
+            return got
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + self._timeout if self._timeout > 0 else None
+        try:
+            while got is None:
+                wait = MAIN_TICK
+                if deadline is not None:
+                    wait = min(wait, deadline - time.monotonic())
+                    if wait <= 0:
+                        raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
+                if not self._doorbell.wait(wait):
+                    check_alive(self._workers)
+                    self._on_tick()
+                got = self._poll()
+        finally:
+            self._stats.main_wait_s += time.perf_counter() - t0
+        return got
+
+    def close(self) -> None:
+        self._rings = []
+        self._doorbell = None
