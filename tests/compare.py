@@ -1,12 +1,21 @@
-"""The tests' one comparator: same Python structure, types, dtypes, shapes, (strides) and
-bits, recursively; DataLoader's batch against PoolLoader's. No pytest import: spawned
-children may import it."""
+"""The tests' one comparator and one two-loader driver.
+
+`assert_same`: same Python structure, types, dtypes, shapes, (strides) and bits,
+recursively; DataLoader's batch against PoolLoader's. `both_loaders`: the same run
+through DataLoader, then PoolLoader, from the same seeds; `lockstep` walks two
+live loaders batch by batch. No pytest import: spawned children may import it."""
 from __future__ import annotations
 
 import dataclasses
+import gc
+import itertools
+import random
 
 import numpy as np
 import torch
+from torch.utils.data import DataLoader
+
+from poolloader import PoolLoader
 
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -50,3 +59,43 @@ def assert_same(a, b, path: str = "batch", strides: bool = True) -> None:
         assert_same(dataclasses.asdict(a), dataclasses.asdict(b), path, strides)
     else:
         assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def pool_only(cls, **options):
+    """`options` (slot_bytes=..., slots=...) for PoolLoader, nothing for DataLoader."""
+    return options if cls is PoolLoader else {}
+
+
+def both_loaders(make, run=list, seed: int = 1234):
+    """(DataLoader's result, PoolLoader's): for each class in turn, torch, numpy and
+    random are seeded with `seed`, `loader = make(cls)` and `run(loader)` is kept; then
+    the loader's workers are stopped (persistent ones included) and the loader
+    dropped, so the second run starts as the first did and neither leaves anything
+    behind. `run` sees one loader: e.g. `list` (one epoch, batches kept) or
+    `lambda l: [canon(b) for b in l]`."""
+    results = []
+    for cls in (DataLoader, PoolLoader):
+        torch.manual_seed(seed)
+        np.random.seed(seed)
+        random.seed(seed)
+        loader = make(cls)
+        try:
+            results.append(run(loader))
+        finally:
+            it = getattr(loader, "_iterator", None)  # a persistent loader keeps its workers
+            if it is not None and hasattr(it, "_shutdown_workers"):
+                it._shutdown_workers()
+            del it, loader
+            gc.collect()
+    return results[0], results[1]
+
+
+_END = object()
+
+
+def lockstep(*loaders):
+    """The batches of live loaders side by side, one of each alive at a time (so a
+    PoolLoader reuses its slots as in training); the counts must match."""
+    for group in itertools.zip_longest(*loaders, fillvalue=_END):
+        assert _END not in group, "loaders delivered different numbers of batches"
+        yield group

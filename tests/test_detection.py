@@ -5,7 +5,6 @@ from __future__ import annotations
 import collections
 import collections.abc
 import io
-import itertools
 import json
 import os
 import pickle
@@ -15,7 +14,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from compare import assert_same
+from compare import assert_same, lockstep
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
@@ -28,7 +27,6 @@ from poolloader.detection import DetectionCollate, PackedTargets, pack_targets
 from poolloader.segments import PAGE
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="pinning needs CUDA")
-_END = object()
 
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -407,13 +405,6 @@ def test_filled_dataset_is_deterministic():
 
 
 # -- through real workers --------------------------------------------------------------------
-
-def lockstep(*loaders):
-    """Batches of several loaders side by side, until all are exhausted (lengths must match)."""
-    for group in itertools.zip_longest(*loaders, fillvalue=_END):
-        assert _END not in group, "loaders delivered different numbers of batches"
-        yield group
-
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("options", [dict(masks=True, keypoints=True),

@@ -19,11 +19,12 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from compare import both_loaders, pool_only
+from torch.utils.data import IterableDataset, get_worker_info
 
 from fixtures.shards import DecodeSample, read_samples, shard_urls, write_shards
 from fixtures.synthetic import make_coco_like
-from poolloader import DetectionCollate, PackedTargets, PoolLoader
+from poolloader import DetectionCollate, PackedTargets
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
@@ -84,27 +85,12 @@ def image_ids(batch_canon):
     return out
 
 
-def shutdown(loader):
-    it = getattr(loader, "_iterator", None)
-    if it is not None and hasattr(it, "_shutdown_workers"):
-        it._shutdown_workers()
-
-
-def run_both(make_dataset, epochs=1, seed=0, pool_kw=None, **loader_kw):
-    """[DataLoader epochs, PoolLoader epochs], each a list of canon()ed batches.
-    `pool_kw`: PoolLoader-only options (slot_bytes=...)."""
-    results = []
-    for cls in (DataLoader, PoolLoader):
-        dataset = make_dataset()
-        torch.manual_seed(seed)
-        extra = (pool_kw or {}) if cls is PoolLoader else {}
-        loader = cls(dataset, **loader_kw, **extra)
-        try:
-            results.append([[canon(b) for b in loader] for _ in range(epochs)])
-        finally:
-            shutdown(loader)
-            del loader
-    return results
+def run_both(make_dataset, epochs=1, pool_kw=None, **loader_kw):
+    """(DataLoader's epochs, PoolLoader's), each a list of canon()ed batches, through
+    compare.both_loaders. `pool_kw`: PoolLoader-only options (slot_bytes=...)."""
+    return both_loaders(
+        lambda cls: cls(make_dataset(), **loader_kw, **pool_only(cls, **(pool_kw or {}))),
+        run=lambda loader: [[canon(b) for b in loader] for _ in range(epochs)], seed=0)
 
 
 class ShardStream(IterableDataset):
@@ -252,24 +238,21 @@ def test_abandoned_epoch_and_slot_growth_parity(urls):
     # persistent workers: epoch 1 stopped after one batch (max_steps), then two full
     # epochs; tiny slots so batches of mixed sizes (multiscale) grow them mid-stream
     subset = urls[:5]
-    results = []
-    for cls in (DataLoader, PoolLoader):
-        torch.manual_seed(0)
-        extra = dict(slot_bytes=4096) if cls is PoolLoader else {}
-        loader = cls(wds_pipeline(subset, multiscale=(24, 96)), batch_size=None, num_workers=2,
-                     persistent_workers=True, **extra)
-        try:
-            it = iter(loader)
-            epochs = [[canon(next(it))]]
-            del it
-            epochs += [[canon(b) for b in loader] for _ in range(2)]
-        finally:
-            shutdown(loader)
-        results.append(epochs)
-        if cls is PoolLoader:
-            assert loader.stats.slot_growths > 0
-    assert results[0] == results[1]
-    assert len(results[0][1]) == len(results[0][2]) > 1
+
+    def run(loader):
+        it = iter(loader)
+        epochs = [[canon(next(it))]]
+        del it
+        epochs += [[canon(b) for b in loader] for _ in range(2)]
+        return epochs, getattr(loader, "stats", None)
+
+    (ref, _), (got, stats) = both_loaders(
+        lambda cls: cls(wds_pipeline(subset, multiscale=(24, 96)), batch_size=None, num_workers=2,
+                        persistent_workers=True, **pool_only(cls, slot_bytes=4096)),
+        run, seed=0)
+    assert stats.slot_growths > 0
+    assert got == ref
+    assert len(ref[1]) == len(ref[2]) > 1
 
 
 def test_persistent_plain_stream_two_epochs_parity(urls):
@@ -286,24 +269,22 @@ def test_empty_worker_error_parity(urls):
     # empty_check=True (WebDataset's default): the worker without shards raises; both
     # loaders deliver the same batches first, then the same error.
     subset = urls[:3]
-    outcomes = []
-    for cls in (DataLoader, PoolLoader):
-        torch.manual_seed(0)
-        loader = cls(wds_pipeline(subset, empty_check=True), batch_size=None, num_workers=4)
-        it = iter(loader)
+
+    def run(loader):
         got, error = [], None
         try:
-            for b in it:
+            for b in loader:
                 got.append(canon(b))
         except ValueError as exc:
             lines = str(exc).strip().splitlines()
             error = (lines[0], lines[-1])  # "Caught ValueError in ... worker process 3.", the message
-        finally:
-            it._shutdown_workers()
-            del it
-        outcomes.append((got, error))
-    assert outcomes[0] == outcomes[1]
-    got, error = outcomes[0]
+        return got, error
+
+    ref, pool = both_loaders(
+        lambda cls: cls(wds_pipeline(subset, empty_check=True), batch_size=None, num_workers=4),
+        run, seed=0)
+    assert pool == ref
+    got, error = ref
     assert got and error is not None
     assert error[0] == "Caught ValueError in DataLoader worker process 3."
     assert "Turn off using empty_check=False" in error[1]
@@ -327,19 +308,16 @@ class SizedStream(IterableDataset):
             yield torch.tensor([i, wid])
 
 
-def _len_and_warnings(cls, dataset, **kw):
+def len_batches_warnings(loader):
+    """run= for both_loaders: len(loader) (or its TypeError), the canon()ed batches, and
+    the warnings both raised."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        torch.manual_seed(0)
-        loader = cls(dataset, **kw)
         try:
-            try:
-                length = len(loader)
-            except TypeError as exc:
-                length = f"TypeError: {exc}"
-            batches = [b.tolist() for b in loader]
-        finally:
-            shutdown(loader)
+            length = len(loader)
+        except TypeError as exc:
+            length = f"TypeError: {exc}"
+        batches = [canon(b) for b in loader]
     return length, batches, _messages(caught)
 
 
@@ -358,8 +336,8 @@ def _messages(caught):
     (7, 10, dict(batch_size=2, num_workers=4)),                    # fewer than reported
 ])
 def test_len_and_its_warning_match_dataloader(actual, reported, kw):
-    dl = _len_and_warnings(DataLoader, SizedStream(actual, reported), **kw)
-    pl = _len_and_warnings(PoolLoader, SizedStream(actual, reported), **kw)
+    dl, pl = both_loaders(lambda cls: cls(SizedStream(actual, reported), **kw),
+                          len_batches_warnings, seed=0)
     assert pl == dl
     bs = kw["batch_size"]
     expected = reported if bs is None else (
@@ -376,26 +354,11 @@ def test_len_of_webdataset_with_length_and_without(urls):
     n = _samples_in(subset)
     batches = math.ceil(n / 3)
     for length, expect in [(batches, batches), (None, "TypeError")]:
-        dl = _len_and_warnings_wds(DataLoader, subset, length)
-        pl = _len_and_warnings_wds(PoolLoader, subset, length)
+        dl, pl = both_loaders(
+            lambda cls: cls(wds_pipeline(subset, length=length), batch_size=None, num_workers=2),  # noqa: B023
+            len_batches_warnings, seed=0)
         assert pl == dl
         assert str(dl[0]).startswith(str(expect))
-
-
-def _len_and_warnings_wds(cls, subset, length):
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.manual_seed(0)
-        loader = cls(wds_pipeline(subset, length=length), batch_size=None, num_workers=2)
-        try:
-            try:
-                got = len(loader)
-            except TypeError as exc:
-                got = f"TypeError: {exc}"
-            batches = [canon(b) for b in loader]
-        finally:
-            shutdown(loader)
-    return got, batches, _messages(caught)
 
 
 def test_webdataset_parity_with_forkserver_workers(urls):

@@ -4,48 +4,38 @@ from __future__ import annotations
 import gc
 import inspect
 import os
-import random
 import signal
 import time
 
 import loader_datasets as ds
-import numpy as np
 import pytest
 import torch
-from compare import assert_same
+from compare import assert_same, both_loaders, pool_only
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorDataset
 
 from poolloader import PoolLoader, WorkerDied
 from poolloader.segments import NAME_TAG
 
-LOADERS = [DataLoader, PoolLoader]
+
+def epochs_and_length(epochs):
+    """run= for both_loaders: every batch of `epochs` epochs, kept (as a DataLoader user
+    may), and len(loader) where the dataset has one."""
+    def run(loader):
+        out = [list(loader) for _ in range(epochs)]
+        return out, len(loader) if hasattr(loader.dataset, "__len__") else None
+    return run
 
 
-def run_epochs(cls, dataset, epochs=1, **kw):
-    loader = cls(dataset, **kw)
-    out = []
-    for _ in range(epochs):
-        out.append([batch for batch in loader])
-    length = len(loader) if hasattr(dataset, "__len__") else None
-    del loader
-    gc.collect()
-    return out, length
+def parity(dataset, epochs=1, generator_seed=None, **kw):
+    """The epochs through both loaders (slots=/slot_bytes= for PoolLoader only) must be
+    equal, batch for batch; returns PoolLoader's."""
+    pool_kw = {k: kw.pop(k) for k in ("slots", "slot_bytes") if k in kw}
 
+    def make(cls):
+        gen = None if generator_seed is None else torch.Generator().manual_seed(generator_seed)
+        return cls(dataset, generator=gen, **kw, **pool_only(cls, **pool_kw))
 
-def parity(dataset, epochs=1, **kw):
-    pool_kw = dict(kw)  # these tests keep every batch alive, as a DataLoader user may
-    torch_kw = {k: v for k, v in kw.items() if k not in ("slots", "slot_bytes")}
-    results = []
-    for cls, kwargs in ((DataLoader, torch_kw), (PoolLoader, pool_kw)):
-        kwargs = dict(kwargs)
-        seed = kwargs.pop("generator_seed", None)
-        if seed is not None:
-            kwargs["generator"] = torch.Generator().manual_seed(seed)
-        torch.manual_seed(1234)
-        np.random.seed(1234)
-        random.seed(1234)
-        results.append(run_epochs(cls, dataset, epochs, **kwargs))
-    (ref, ref_len), (got, got_len) = results
+    (ref, ref_len), (got, got_len) = both_loaders(make, epochs_and_length(epochs))
     assert ref_len == got_len
     assert len(ref) == len(got)
     for e, (a, b) in enumerate(zip(ref, got)):
@@ -75,12 +65,13 @@ def test_parity_batch_sampler():
     data = ds.AugmentDataset(n=31)
     sampler = BatchSampler(RandomSampler(data, generator=torch.Generator().manual_seed(5)), 5, False)
     # the same sampler object is consumed by both runs; reseed between them
-    out = []
-    for cls in LOADERS:
+
+    def make(cls):
         sampler.sampler.generator.manual_seed(5)
-        torch.manual_seed(99)
-        out.append(run_epochs(cls, data, batch_sampler=sampler, num_workers=2)[0])
-    assert_same(out[0], out[1])
+        return cls(data, batch_sampler=sampler, num_workers=2)
+
+    ref, got = both_loaders(make, seed=99)
+    assert_same(ref, got)
 
 
 def test_parity_batch_size_none_and_varied_structures():
@@ -108,13 +99,10 @@ def test_parity_worker_info_seed_and_init_fn():
 def test_parity_prefetch_and_out_of_order():
     parity(ds.AugmentDataset(n=25), batch_size=2, num_workers=2, prefetch_factor=4)
     # in_order=False: same multiset of batches
-    got = []
-    for cls in LOADERS:
-        torch.manual_seed(0)
-        batches = run_epochs(cls, ds.AugmentDataset(n=25), batch_size=2, num_workers=2,
-                             in_order=False)[0][0]
-        got.append(sorted(tuple(b["index"].tolist()) for b in batches))
-    assert got[0] == got[1]
+    ref, got = both_loaders(
+        lambda cls: cls(ds.AugmentDataset(n=25), batch_size=2, num_workers=2, in_order=False),
+        run=lambda loader: sorted(tuple(b["index"].tolist()) for b in loader))
+    assert ref == got
 
 
 def test_growth_keeps_every_batch():

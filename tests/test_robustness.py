@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 import robustness_datasets as rds
 import torch
+from compare import both_loaders
 from helpers import pid_running as running
 from helpers import wait_until
-from torch.utils.data import DataLoader
 
 from poolloader import PoolLoader, SlotCorrupt, WorkerDied, codec
 from poolloader import slot_format as fmt
@@ -291,16 +291,9 @@ def quick_dataloader_shutdown(monkeypatch):
     monkeypatch.setattr(_utils, "MP_STATUS_CHECK_INTERVAL", 0.5)
 
 
-def both_loaders(make, epochs, max_batches=40):
-    """The same epochs through DataLoader and PoolLoader: [[outcome per epoch] per loader]."""
-    results = []
-    for cls in (DataLoader, PoolLoader):
-        torch.manual_seed(0)
-        loader = make(cls)
-        results.append([epoch_outcome(loader, max_batches) for _ in range(epochs)])
-        del loader
-        gc.collect()
-    return results
+def outcomes(epochs, max_batches=40):
+    """run= for compare.both_loaders: `epochs` epochs' outcomes."""
+    return lambda loader: [epoch_outcome(loader, max_batches) for _ in range(epochs)]
 
 
 @pytest.mark.parametrize("eager", [True, False], ids=["raise_in_iter", "raise_at_first_next"])
@@ -314,7 +307,7 @@ def test_exception_in_iter_keeps_type_and_traceback_then_iterates_again(
         return cls(rds.FlakyIterStream(fail_calls=1, eager=eager), batch_size=2, num_workers=2,
                    persistent_workers=persistent, timeout=20)
 
-    ref, got = both_loaders(make, 1, max_batches=10)
+    ref, got = both_loaders(make, outcomes(1, max_batches=10), seed=0)
     assert got[0][:2] == ref[0][:2]
     for kind, traceback, where, last in got[0][:2]:
         assert (kind, traceback, where) == ("ValueError", True, True), got[0]
@@ -337,7 +330,7 @@ def test_exception_in_iter_keeps_type_and_traceback_then_iterates_again(
             loader.dataset.fail_calls = 0
         return loader
 
-    ref, got = both_loaders(make_fixed, 2)
+    ref, got = both_loaders(make_fixed, outcomes(2), seed=0)
     assert got == ref
     for epoch in got:
         assert sorted(i for b in epoch for i, _w in b) == list(range(14)), epoch
@@ -365,7 +358,7 @@ def test_exception_mid_stream_matches_dataloader(persistent, quick_dataloader_sh
         return cls(rds.RaisingStream(), batch_size=2, num_workers=2,
                    persistent_workers=persistent, timeout=20)
 
-    ref, got = both_loaders(make, 2)
+    ref, got = both_loaders(make, outcomes(2), seed=0)
     assert got == ref
     errors = [o for o in got[0] if isinstance(o, tuple)]
     assert errors and errors[0][:3] == ("KeyError", True, True), got[0]
