@@ -21,33 +21,34 @@ Method, in one process on the machine's CUDA devices:
    tensor (pin_memory()), (c) a pageable tensor. GB/s, median [min–max].
 3. Gate cost: microseconds per release (marker over every busy torch stream of every
    device with a context) with the default stream busy, over 200 releases.
-4. Loader throughput on the RF-DETR shape (batch 16 of 3×576×576 float32 images,
-   576×576 bool masks, 16 target dicts of 7 tensors) at --workers (8,16,32) for
+4. Loader throughput on the RF-DETR shape (bench/common.py's `RFDETRShaped` and
+   `RFDETRCollate("per_sample")`: batch 16 of 3×576×576 float32 images, 576×576 bool
+   masks, 16 target dicts of 7 tensors) at --workers (8,16,32) for
    DataLoader(pin_memory=True), PoolLoader(pin_memory=True) and PoolLoader(device="cuda").
    Every arm copies every batch to the GPU (non_blocking) and synchronises at the
    end; img/s over --batches batches after 5 warm-up ones, median [min–max] over
-   --reps interleaved repetitions, and the ratio to DataLoader. A worker count whose
-   prefetched batches would not fit in /dev/shm is skipped, with a note.
+   --reps repetitions interleaved by bench/common.py's runner, and the paired ratio
+   to DataLoader. A worker count whose prefetched batches would not fit in /dev/shm
+   is skipped, with a note.
 
-Prints Markdown tables and writes every number as JSON (--json). Without CUDA it
-says so and exits 2; past --budget it prints what it has and exits 3; on an error
-(not a corruption) it exits 4.
+Prints Markdown tables and writes every number as JSON (--json, default
+gpu-bench.json; or --out DIR). Without CUDA it says so and exits 2; past --budget
+it prints what it has and exits 3; on an error (not a corruption) it exits 4.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import signal
-import statistics
 import sys
 import time
 import traceback
 
-import torch
-from torch.utils.data import DataLoader, Dataset
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import common  # noqa: E402
+import torch  # noqa: E402
+from torch.utils.data import DataLoader, Dataset  # noqa: E402
+
 from poolloader import PoolLoader, cuda  # noqa: E402
 from poolloader.pool import SlotPool  # noqa: E402
 from poolloader.segments import shm_free_bytes  # noqa: E402
@@ -71,44 +72,7 @@ class Full(Dataset):
         return torch.full(self.shape, float(i))
 
 
-class RFDETRShaped(Dataset):
-    """Cheap deterministic samples of the RF-DETR shape (workers are not the bottleneck)."""
-
-    def __init__(self, n: int, hw: int = 576):
-        self.n = n
-        self.hw = hw
-        g = torch.Generator().manual_seed(0)
-        self.base = torch.rand(3, hw, hw, generator=g)
-        self.mask = torch.rand(hw, hw, generator=g) > 0.9
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        k = (i * 5) % 13
-        g = torch.Generator().manual_seed(i)
-        return (self.base + i, self.mask, {
-            "boxes": torch.rand(k, 4, generator=g), "labels": torch.randint(0, 90, (k,), generator=g),
-            "image_id": torch.tensor([i]), "area": torch.rand(k, generator=g),
-            "iscrowd": torch.zeros(k, dtype=torch.int64), "orig_size": torch.tensor([480, 640]),
-            "size": torch.tensor([self.hw, self.hw])})
-
-
-def collate(batch):
-    return (torch.stack([b[0] for b in batch]), torch.stack([b[1] for b in batch]),
-            tuple(b[2] for b in batch))
-
-
 RFDETR_BATCH_BYTES = 16 * (3 * 576 * 576 * 4 + 576 * 576) + (1 << 20)
-
-
-def stat(values):
-    return {"median": statistics.median(values), "min": min(values), "max": max(values),
-            "values": values}
-
-
-def fmt(s, digits=1):
-    return f"{s['median']:.{digits}f} [{s['min']:.{digits}f}–{s['max']:.{digits}f}]"
 
 
 def wrong_batches(outs, batch_size=2):
@@ -120,14 +84,6 @@ def wrong_batches(outs, batch_size=2):
         if not torch.equal(out, want):
             bad.append(k)
     return bad
-
-
-def finish(it) -> None:
-    """Shut an iterator down on the normal path (not from a finaliser: its pool's
-    memory goes back now, before the next arm's pool is made)."""
-    shutdown = getattr(it, "_shutdown_workers", None)
-    if shutdown is not None:
-        shutdown()
 
 
 # ---------------------------------------------------------------------------
@@ -146,7 +102,7 @@ def check_side_stream(batches: int, max_slots) -> dict:
         del b
     torch.cuda.synchronize()
     bad = wrong_batches(outs)
-    finish(it)
+    common.shutdown_iterator(it)
     return {"batches": len(outs), "bad": bad, "stats": loader.stats.as_dict()}
 
 
@@ -200,7 +156,7 @@ def check_two_devices(batches: int) -> dict:
     torch.cuda.synchronize(0)
     torch.cuda.synchronize(1)
     bad = wrong_batches([o.to("cuda:0") for o in outs])
-    finish(it)
+    common.shutdown_iterator(it)
     return {"batches": len(outs), "bad": bad, "stats": loader.stats.as_dict()}
 
 
@@ -219,7 +175,7 @@ def check_device_stream_switch(batches: int) -> dict:
         del d
     torch.cuda.synchronize()
     bad = wrong_batches(outs)
-    finish(it)
+    common.shutdown_iterator(it)
     return {"batches": len(outs), "bad": bad, "stats": loader.stats.as_dict()}
 
 
@@ -250,8 +206,7 @@ def bandwidth(nbytes: int, reps: int) -> dict:
                 torch.cuda.synchronize()
                 if k:
                     rates.append(nbytes / (time.perf_counter() - t0) / 1e9)
-            out[name] = stat(rates)
-            out[name]["is_pinned"] = bool(src.is_pinned())
+            out[name] = {**common.summarize(rates).as_dict(), "is_pinned": bool(src.is_pinned())}
         del slot, sources
     finally:
         gate.close()
@@ -283,8 +238,10 @@ def gate_cost(releases: int = 200) -> dict:
 ARMS = ["DataLoader(pin_memory=True)", "PoolLoader(pin_memory=True)", 'PoolLoader(device="cuda")']
 
 
-def run_loader(kind: str, workers: int, batches: int, data) -> float:
-    kw = dict(batch_size=16, collate_fn=collate, num_workers=workers, prefetch_factor=2)
+def run_loader(kind: str, workers: int, batches: int, data) -> dict:
+    pool = kind != ARMS[0]
+    kw = dict(batch_size=common.BATCH, collate_fn=common.RFDETRCollate("per_sample", pool=pool),
+              num_workers=workers, prefetch_factor=2)
     if kind == ARMS[0]:
         loader = DataLoader(data, pin_memory=True, **kw)
     elif kind == ARMS[1]:
@@ -292,7 +249,7 @@ def run_loader(kind: str, workers: int, batches: int, data) -> float:
     else:
         loader = PoolLoader(data, device="cuda", slot_bytes=RFDETR_BATCH_BYTES, **kw)
     it = iter(loader)
-    n, t0 = 0, None
+    n, t0 = 0, 0.0
     try:
         for batch in it:
             if not batch[0].is_cuda:
@@ -306,32 +263,32 @@ def run_loader(kind: str, workers: int, batches: int, data) -> float:
             if n == batches + 5:
                 break
         torch.cuda.synchronize()
-        return batches * 16 / (time.perf_counter() - t0)
+        if n < batches + 5:
+            raise common.BenchError(f"{kind}: {n} batches, {batches + 5} expected")
+        return {"img_s": batches * common.BATCH / (time.perf_counter() - t0)}
     finally:
-        finish(it)
+        common.shutdown_iterator(it)
 
 
-def throughput(workers: list[int], batches: int, reps: int, notes: list[str]) -> dict:
-    data = RFDETRShaped(16 * (batches + 10))
-    out = {}
+def throughput(workers: list[int], batches: int, reps: int, notes: list[str]) -> common.Raw:
+    data = common.RFDETRShaped(common.BATCH * (batches + 10))
+    cells = []
     for w in workers:
         needed = (w * 2 + 2) * RFDETR_BATCH_BYTES * 1.3
         if needed > shm_free_bytes():
             notes.append(f"{w} workers skipped: their prefetched batches need ~{needed / 2**30:.1f} GiB "
                          f"of /dev/shm, {shm_free_bytes() / 2**30:.1f} GiB are free")
-            continue
-        runs = {a: [] for a in ARMS}
-        for rep in range(reps):
-            for a in ARMS[rep % 3:] + ARMS[:rep % 3]:
-                runs[a].append(run_loader(a, w, batches, data))
-        out[w] = {a: stat(v) for a, v in runs.items()}
-    return out
+        else:
+            cells.append(w)
+    return common.interleave(cells, ARMS, lambda w, arm, _rep: run_loader(arm, w, batches, data),
+                             reps, label="gpu throughput")
 
 
 # ---------------------------------------------------------------------------
 
-class OutOfBudget(Exception):
-    pass
+class OutOfBudget(BaseException):
+    """Past --budget (SIGALRM). A BaseException, so the runner's per-arm `except
+    Exception` (a failed arm is a result) does not swallow it."""
 
 
 def _alarm(_signum, _frame):
@@ -339,17 +296,21 @@ def _alarm(_signum, _frame):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="\n".join(__doc__.splitlines()[2:]))
-    ap.add_argument("--workers", default="8,16,32", help="worker counts for the throughput part")
-    ap.add_argument("--batches", type=int, default=40, help="timed batches per throughput run")
-    ap.add_argument("--reps", type=int, default=3, help="repetitions per throughput arm")
-    ap.add_argument("--checks", type=int, default=32, help="batches per corruption check")
+    ap = common.parser("gpu", __doc__, reps=(3, 2), warmup_reps=(0, 0))
+    ap.add_argument("--workers", default=None, help="worker counts for the throughput part "
+                    "(default 8,16,32; quick 8)")
+    ap.add_argument("--batches", type=int, default=None, help="timed batches per throughput run "
+                    "(default 40; quick 10)")
+    ap.add_argument("--checks", type=int, default=None, help="batches per corruption check "
+                    "(default 32; quick 8)")
     ap.add_argument("--mib", type=int, default=256, help="MiB per bandwidth copy")
     ap.add_argument("--budget", type=int, default=450, help="seconds for the whole run")
-    ap.add_argument("--json", default="gpu-bench.json")
-    args = ap.parse_args(argv)
+    args = common.parse(ap, argv)
+    args.workers = args.workers or ("8" if args.quick else "8,16,32")
+    args.batches = args.batches or (10 if args.quick else 40)
+    args.checks = args.checks or (8 if args.quick else 32)
+    if not (args.json or args.out):
+        args.json = "gpu-bench.json"
     if not torch.cuda.is_available():
         print("bench/gpu.py: no CUDA device on this machine: nothing to check or measure "
               "(run it on a GPU machine)")
@@ -358,11 +319,17 @@ def main(argv=None) -> int:
     signal.alarm(args.budget)
     started = time.monotonic()
     name = torch.cuda.get_device_name()
-    results: dict = {"device": name, "devices": torch.cuda.device_count(), "torch": torch.__version__,
-                     "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
+    text: list[str] = []
+
+    def say(block: str) -> None:  # printed now, and the whole report goes to --markdown
+        print(block, flush=True)
+        text.append(block)
+
+    results: dict = {"device": name, "devices": torch.cuda.device_count(),
+                     "date": time.strftime("%Y-%m-%d"),
                      "shm_free_gib": round(shm_free_bytes() / 2**30, 1), "checks": {}, "notes": []}
-    print(f"# poolloader on {results['devices']}× {name}, torch {torch.__version__}, "
-          f"{os.cpu_count()} CPUs, {results['date']}\n")
+    say(f"# poolloader on {results['devices']}× {name}, torch {torch.__version__}, "
+        f"{os.cpu_count()} CPUs, {results['date']}\n")
     corrupted = False
     try:
         checks = results["checks"]
@@ -375,34 +342,37 @@ def main(argv=None) -> int:
         else:
             results["notes"].append("two-device check skipped: one CUDA device")
         checks["device= with a stream switch per call"] = check_device_stream_switch(args.checks)
-        print("| corruption check | batches | corrupted | cooling waits / growths |\n|---|---:|---|---:|")
-        for label, c in checks.items():
+        for c in checks.values():
             corrupted |= bool(c["bad"]) or c["batches"] != args.checks
-            print(f"| {label} | {c['batches']} | {c['bad'] or 'none'} | "
-                  f"{c['stats']['cooling_waits']} / {c['stats']['cooling_growths']} |")
+        say(common.markdown_table(
+            ["corruption check", "batches", "corrupted", "cooling waits / growths"],
+            [(label, c["batches"], c["bad"] or "none",
+              f"{c['stats']['cooling_waits']} / {c['stats']['cooling_growths']}")
+             for label, c in checks.items()], align="lrlr"))
 
         nbytes = args.mib << 20
         if nbytes + DATA_OFF > shm_free_bytes() // 2:
             nbytes = max(1 << 20, (shm_free_bytes() // 4) >> 20 << 20)
             results["notes"].append(f"bandwidth copies shrunk to {nbytes >> 20} MiB (/dev/shm)")
         bw = results["bandwidth_GBps"] = bandwidth(nbytes, 10)
-        print(f"\n| H2D copy of {nbytes >> 20} MiB from | GB/s median [min–max] | is_pinned |\n"
-              "|---|---:|---|")
-        for k, v in bw.items():
-            print(f"| {k} | {fmt(v, 2)} | {v['is_pinned']} |")
+        say("\n" + common.markdown_table(
+            [f"H2D copy of {nbytes >> 20} MiB from", "GB/s median [min–max]", "is_pinned"],
+            [(k, common.Summary(v["median"], v["min"], v["max"], v["n"]).fmt(".2f"), v["is_pinned"])
+             for k, v in bw.items()], align="lrl"))
 
         gc_ = results["gate_cost"] = gate_cost()
-        print(f"\ngate: {gc_['release_us']:.1f} µs per release ({gc_['known_streams']} torch streams "
+        say(f"\ngate: {gc_['release_us']:.1f} µs per release ({gc_['known_streams']} torch streams "
               f"known on the device, devices with a context {gc_['devices_with_context']}); "
               f"ready() over {200} keys {gc_['ready_us_for_all']:.0f} µs")
 
-        tp = results["throughput_img_s"] = throughput(
-            [int(w) for w in args.workers.split(",")], args.batches, args.reps, results["notes"])
-        print("\n| workers | " + " | ".join(ARMS) + " |\n|---:|" + "---:|" * len(ARMS))
-        for w, row in tp.items():
-            base = row[ARMS[0]]["median"]
-            cells = [f"{fmt(row[a])} ({row[a]['median'] / base:.2f}×)" for a in ARMS]
-            print(f"| {w} | " + " | ".join(cells) + " |")
+        raw = throughput([int(w) for w in args.workers.split(",")], args.batches, args.reps,
+                         results["notes"])
+        results["throughput_img_s"] = {"raw": raw.as_json(),
+                                       "summary": common.summaries(raw, ["img_s"], ARMS[0])}
+        say("\n" + common.markdown_table(
+            ["workers", *(f"{a} img/s" for a in ARMS), *(f"{a} / DataLoader" for a in ARMS[1:])],
+            [(w, *(common.cell_text(raw, w, a, "img_s") for a in ARMS),
+              *(common.ratio_text(raw, w, a, ARMS[0], "img_s") for a in ARMS[1:])) for w in raw.cells]))
         status = 1 if corrupted else 0
     except OutOfBudget:
         results["notes"].append(f"stopped after the --budget of {args.budget} s")
@@ -415,9 +385,11 @@ def main(argv=None) -> int:
         signal.alarm(0)
     results["elapsed_s"] = round(time.monotonic() - started, 1)
     for note in results["notes"]:
-        print(f"\nnote: {note}")
-    with open(args.json, "w") as f:
-        json.dump(results, f, indent=1, default=str)
+        say(f"\nnote: {note}")
+    if args.markdown:
+        common.write_text(args.markdown, "\n".join(text))
+    if args.json:
+        common.write_json(args.json, {"bench": "gpu", "config": vars(args), **results})
     print(f"\n{results['elapsed_s']} s; RESULT:", {0: "PASS", 1: "FAIL: corrupted batches",
                                                    3: "INCOMPLETE (budget)", 4: "ERROR"}[status])
     return status
