@@ -13,6 +13,8 @@ import subprocess
 import sys
 import time
 
+from proc import pid_running as running
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHM = "/dev/shm"
 
@@ -23,15 +25,6 @@ def _result(**fields):
 
 def names_with(prefix):
     return sorted(n for n in os.listdir(SHM) if ("/" + n).startswith(prefix + "-"))
-
-
-def running(pid):
-    """Alive and not a zombie (in this process's PID namespace)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (FileNotFoundError, ProcessLookupError):
-        return False
 
 
 def _reap():

@@ -14,6 +14,8 @@ import os
 import sys
 import time
 
+import proc
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
@@ -174,8 +176,7 @@ def fuzz(examples: str = "400") -> None:
 
     # A corrupt length must fail fast (MemoryError -> SlotCorrupt), not push the
     # machine into swap: cap the address space at what we use now plus 4 GiB.
-    with open("/proc/self/status") as f:
-        vm = int(next(line for line in f if line.startswith("VmSize:")).split()[1]) * 1024
+    vm = proc.vm_size_bytes()
     resource.setrlimit(resource.RLIMIT_AS, (vm + (4 << 30), resource.RLIM_INFINITY))
 
     slot_bytes = 1 << 19
@@ -458,17 +459,10 @@ def fd_limit(limit: str, workers: str, batches: str) -> None:
 
     from poolloader import PoolLoader
 
-    def fds():
-        return len(os.listdir("/proc/self/fd")) - 1  # less listdir's own
+    fds = proc.fd_count
 
     def targets():
-        found = set()
-        for fd in os.listdir("/proc/self/fd"):
-            try:
-                found.add(os.readlink(f"/proc/self/fd/{fd}"))
-            except OSError:  # listdir's own, closed meanwhile
-                pass
-        return found
+        return set(proc.fd_targets())
 
     workers, batches = int(workers), int(batches)
     print(f"base_fds={fds()}", flush=True)

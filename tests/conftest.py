@@ -7,8 +7,9 @@ as a teardown error, then cleaned up so one leak does not fail the tests after i
 the new names starting with "pl" are unlinked, the new children are SIGKILLed by
 pid (never by name, never anything the test did not start).
 
-Children are found by scanning /proc/*/stat for our pid as ppid (the kernel here
-has no /proc/<pid>/task/<tid>/children). Zombies do not count: an exited child that
+Children are found (tests/proc.py, the tests' one /proc reader) by scanning
+/proc/*/stat for our pid as ppid (the kernel here has no
+/proc/<pid>/task/<tid>/children). Zombies do not count: an exited child that
 multiprocessing has not reaped yet is not running anything. multiprocessing's own
 service processes (resource tracker, forkserver), which live for the whole session
 once started, are not counted either.
@@ -32,6 +33,7 @@ import signal
 import time
 import uuid
 
+import proc
 import pytest
 
 SHM_DIR = "/dev/shm"
@@ -46,70 +48,13 @@ def _shm_names():
         return set()
 
 
-def _pids():
-    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
-
-
-def _process_table():
-    """{pid: (ppid, state)} of every process we can read."""
-    table = {}
-    for pid in _pids():
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:  # exited while we looked
-            continue
-        # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
-        fields = stat[stat.rfind(b")") + 2:].split()
-        table[pid] = (int(fields[1]), fields[0])
-    return table
-
-
-def _live_children(table=None):
-    """{pid: command} of this process's children that are not zombies."""
-    me = os.getpid()
-    table = _process_table() if table is None else table
-    return {pid: _command(pid) for pid, (ppid, state) in table.items()
-            if ppid == me and state not in (b"Z", b"X", b"x")}
-
-
-def _our_tree(table):
-    """This process and all its descendants."""
-    tree, grew = {os.getpid()}, True
-    while grew:
-        more = {pid for pid, (ppid, _) in table.items() if ppid in tree} - tree
-        tree |= more
-        grew = bool(more)
-    return tree
-
-
-def _holders(names):
-    """{name: pids that map /dev/shm/<name> or hold it open}."""
-    by_path = {os.path.join(SHM_DIR, name): name for name in names}
-    holders = {name: set() for name in names}
-    for pid in _pids():
-        try:
-            with open(f"/proc/{pid}/maps") as f:
-                for line in f:
-                    at = line.find(SHM_DIR + "/")
-                    if at >= 0 and line[at:].rstrip("\n") in by_path:
-                        holders[by_path[line[at:].rstrip("\n")]].add(pid)
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target in by_path:
-                    holders[by_path[target]].add(pid)
-        except OSError:  # exited, or not ours to read
-            continue
-    return holders
-
-
 def _foreign(names, tree):
     """The names among `names` that are another process's (see the module docstring).
 
     `tree`: pids of this process and every descendant seen during the test.
     """
     foreign = set()
-    for name, pids in _holders(names).items():
+    for name, pids in proc.shm_holders(names).items():
         if pids:
             if not pids & tree:
                 foreign.add(name)
@@ -118,14 +63,6 @@ def _foreign(names, tree):
             if number and int(number.group(1)) not in tree:
                 foreign.add(name)
     return foreign
-
-
-def _command(pid):
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:200]
-    except OSError:
-        return "?"
 
 
 def _service_pids():
@@ -140,9 +77,9 @@ def _service_pids():
 @pytest.fixture(autouse=True)
 def no_leaked_shm_or_children():
     names_before = _shm_names()
-    table = _process_table()
-    children_before = set(_live_children(table))
-    tree = _our_tree(table)
+    table = proc.process_table()
+    children_before = set(proc.live_children(table))
+    tree = proc.tree(table)
     yield
     # A loader iterator kept alive by a reference cycle (an exception traceback
     # holding its frame) shuts down when collected, as DataLoader's does.
@@ -151,13 +88,13 @@ def no_leaked_shm_or_children():
     foreign = set()  # other processes' names, not this test's
     while True:
         multiprocessing.active_children()  # reaps multiprocessing children that exited
-        table = _process_table()
-        tree |= _our_tree(table)
+        table = proc.process_table()
+        tree |= proc.tree(table)
         new_names = _shm_names() - names_before - foreign
         if new_names:
             foreign |= _foreign(new_names, tree)
             new_names = sorted(new_names - foreign)
-        new_children = {pid: cmd for pid, cmd in _live_children(table).items()
+        new_children = {pid: cmd for pid, cmd in proc.live_children(table).items()
                         if pid not in children_before and pid not in _service_pids()}
         if not (new_names or new_children) or time.monotonic() >= deadline:
             break
@@ -185,7 +122,7 @@ def no_leaked_shm_or_children():
             except ProcessLookupError:
                 pass
         gone_by = time.monotonic() + 2.0
-        while time.monotonic() < gone_by and set(new_children) & set(_live_children()):
+        while time.monotonic() < gone_by and set(new_children) & set(proc.live_children()):
             multiprocessing.active_children()
             time.sleep(0.02)
         listing = ", ".join(f"pid {pid} ({cmd})" for pid, cmd in new_children.items())

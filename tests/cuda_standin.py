@@ -32,6 +32,7 @@ import os
 import threading
 import time
 
+import proc
 import torch
 
 ERROR_NAMES = {1: "cudaErrorInvalidValue", 2: "cudaErrorMemoryAllocation",
@@ -71,12 +72,7 @@ def _index(device) -> int:
 
 
 def _mapped(start: int, end: int) -> bool:
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
-            if lo <= start and end <= hi:
-                return True
-    return False
+    return any(lo <= start and end <= hi for lo, hi, _ in proc.maps())
 
 
 class SimCuda:

@@ -13,6 +13,8 @@ import signal
 import time
 
 import posix_ipc
+import proc
+from proc import pid_running  # noqa: F401 - the tests import it from here
 
 from poolloader._shm import Mapping
 
@@ -94,28 +96,10 @@ def leftovers(pids, marker, settle_s=5.0):
     while True:
         names = [n for n in os.listdir("/dev/shm")
                  if any(f"-{pid}-" in n or f"_{pid}_" in n for pid in pids)]
-        procs = []
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit() or int(entry) == os.getpid():
-                continue
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if marker.encode() in f.read():
-                        procs.append(int(entry))
-            except OSError:
-                continue
+        procs = [pid for pid in proc.pids() if pid != os.getpid() and marker in proc.command(pid)]
         if not (names or procs) or time.monotonic() > deadline:
             return names, procs
         time.sleep(0.1)
-
-
-def pid_running(pid: int) -> bool:
-    """Alive and not a zombie (a pid of this process's PID namespace)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
 
 
 def wait_until(predicate, timeout: float) -> bool:

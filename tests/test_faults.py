@@ -12,6 +12,7 @@ import time
 import loader_datasets as ds
 import pytest
 import torch
+from helpers import pid_running
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from poolloader import PoolLoader, ShmSpaceError
@@ -42,8 +43,7 @@ def test_sigkill_of_main_workers_exit_and_unlink():
         deadline = time.monotonic() + 5.0
         def leftovers():
             names = [n for n in os.listdir("/dev/shm") if ("/" + n).startswith(prefix)]
-            alive = [p for p in pids if os.path.exists(f"/proc/{p}")
-                     and open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"]
+            alive = [p for p in pids if pid_running(p)]
             return names, alive
         while time.monotonic() < deadline and any(leftovers()):
             time.sleep(0.05)

@@ -13,6 +13,7 @@ import os
 import time
 
 import numpy as np
+import proc
 import pytest
 import torch
 from cuda_standin import SimCuda
@@ -307,8 +308,7 @@ def test_gate_waits_are_bounded_when_a_stream_never_finishes(monkeypatch):
 
 
 def _our_shm_maps(prefix):
-    with open("/proc/self/maps") as maps:
-        return [line for line in maps if f"/dev/shm{prefix}" in line]
+    return [path for _, _, path in proc.maps() if path.startswith(f"/dev/shm{prefix}")]
 
 
 def test_gate_registration_failure_names_slot_size_and_error_and_leaves_nothing():
@@ -413,7 +413,7 @@ def test_gate_retired_mapping_stays_registered_until_its_copies_finish():
     assert gate.unregister(old, 0) and old.address not in sim.registered
     address = old.address
     del old, detached[:]
-    assert not any(line.startswith(f"{address:x}-") for line in open("/proc/self/maps"))
+    assert not any(lo == address for lo, _, _ in proc.maps())
     assert out.tolist() == [7.0] * ROW and sim.violations == []
     pool.close()
     assert sim.registered == {}

@@ -19,6 +19,7 @@ import threading
 import time
 
 import numpy as np
+import proc
 import pytest
 import robustness_datasets as rds
 from helpers import pid_running as running
@@ -89,7 +90,7 @@ def a_pid_range_unused_here(span: int = 64) -> int:
     it inside a new namespace looks dead to anything out here that judges by pid, and
     none of the pids the inner namespace hands out next is one of ours."""
     top = int(open("/proc/sys/kernel/pid_max").read())
-    taken = {int(p) for p in os.listdir("/proc") if p.isdigit()}
+    taken = set(proc.pids())
     for first in range(min(top - span, 30_000), 300, -span):
         if not taken & set(range(first, first + span)):
             return first

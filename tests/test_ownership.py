@@ -15,6 +15,7 @@ import types
 import warnings
 
 import loader_datasets as ds
+import proc
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -36,13 +37,7 @@ def rfdetr_loader(cls, batches, hw=96, batch_size=16, **kw):
 
 def pool_shm_bytes() -> int:
     """Bytes of poolloader segments this process maps now (pool and held batches)."""
-    total = 0
-    with open("/proc/self/maps") as f:
-        for line in f:
-            if f"/dev/shm/{NAME_TAG}-" in line:
-                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
-                total += hi - lo
-    return total
+    return sum(hi - lo for lo, hi, path in proc.maps() if path.startswith(f"/dev/shm/{NAME_TAG}-"))
 
 
 def quietly(fn, *args, **kw):

@@ -19,6 +19,7 @@ import warnings
 
 import loader_datasets as ds
 import numpy as np
+import proc
 import pytest
 import robustness_datasets as rds
 import torch
@@ -432,8 +433,7 @@ def test_descriptor_limit_64_with_32_workers():
 # -- 6. soak ---------------------------------------------------------------------------------
 
 def process_figures():
-    rss = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    fds = len(os.listdir("/proc/self/fd")) - 1
+    rss, fds = proc.rss_bytes(), proc.fd_count()
     names = len([n for n in os.listdir(SHM) if n.startswith(f"{NAME_TAG}-{os.getpid()}-")])
     return rss, fds, names
 

@@ -22,7 +22,7 @@ import textwrap
 
 import pytest
 import torch
-from helpers import leftovers
+from helpers import leftovers, pid_running
 
 RUN_TIMEOUT_S = 120
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -124,7 +124,7 @@ def _assert_nothing_left(pids, marker):
     names, procs = leftovers(pids, marker)
     assert not names, f"shared-memory names left behind: {names}"
     assert not procs, f"processes still alive: {procs}"
-    alive = [pid for pid in pids if os.path.exists(f"/proc/{pid}")]
+    alive = [pid for pid in pids if pid_running(pid)]
     assert not alive, f"processes still alive: {alive}"  # spawn children lack the marker
 
 

@@ -1,0 +1,129 @@
+"""The tests' one reader of /proc: processes, their states, descriptors and mappings.
+
+No pytest import: spawned children and the namespaced bodies import it. Every reader
+tolerates a process that exits while it looks (it is then absent, or not running).
+"""
+from __future__ import annotations
+
+import os
+
+SHM_DIR = "/dev/shm"
+_GONE = ("Z", "X", "x")  # zombie or dead: exited, not running anything
+
+
+def pids() -> list[int]:
+    """Every pid of this PID namespace."""
+    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
+
+
+def _stat(pid) -> tuple[int, str] | None:
+    """(ppid, state) of `pid`, None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+    fields = stat[stat.rfind(b")") + 2:].split()
+    return int(fields[1]), fields[0].decode()
+
+
+def process_table() -> dict[int, tuple[int, str]]:
+    """{pid: (ppid, state)} of every process we can read."""
+    table = {}
+    for pid in pids():
+        entry = _stat(pid)
+        if entry is not None:
+            table[pid] = entry
+    return table
+
+
+def pid_running(pid) -> bool:
+    """Alive and not a zombie (a pid of this process's PID namespace)."""
+    entry = _stat(pid)
+    return entry is not None and entry[1] not in _GONE
+
+
+def command(pid) -> str:
+    """`pid`'s command line, spaces for NULs, at most 200 characters ("?" once gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:200]
+    except OSError:
+        return "?"
+
+
+def live_children(table=None, parent: int | None = None) -> dict[int, str]:
+    """{pid: command} of `parent`'s (default: this process's) children that are not
+    zombies."""
+    parent = os.getpid() if parent is None else parent
+    table = process_table() if table is None else table
+    return {pid: command(pid) for pid, (ppid, state) in table.items()
+            if ppid == parent and state not in _GONE}
+
+
+def tree(table, root: int | None = None) -> set[int]:
+    """`root` (default: this process) and all its descendants in `table`."""
+    found, grew = {os.getpid() if root is None else root}, True
+    while grew:
+        more = {pid for pid, (ppid, _) in table.items() if ppid in found} - found
+        found |= more
+        grew = bool(more)
+    return found
+
+
+def maps(pid="self") -> list[tuple[int, int, str]]:
+    """(start, end, path) of each mapping of `pid` (path "" when anonymous); [] once gone."""
+    out = []
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                out.append((lo, hi, fields[5].rstrip("\n") if len(fields) > 5 else ""))
+    except OSError:
+        pass
+    return out
+
+
+def fd_targets(pid="self") -> list[str]:
+    """What each open descriptor of `pid` points to; [] once gone."""
+    out = []
+    try:
+        entries = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return out
+    for fd in entries:
+        try:
+            out.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:  # closed meanwhile (listdir's own descriptor, for one)
+            pass
+    return out
+
+
+def fd_count() -> int:
+    """Descriptors this process has open (less the one listing them)."""
+    return len(os.listdir("/proc/self/fd")) - 1
+
+
+def rss_bytes() -> int:
+    """This process's resident memory."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def vm_size_bytes() -> int:
+    """This process's virtual address space."""
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith("VmSize:")).split()[1]) * 1024
+
+
+def shm_holders(names) -> dict[str, set[int]]:
+    """{name: pids that map /dev/shm/<name> or hold it open}."""
+    by_path = {os.path.join(SHM_DIR, name): name for name in names}
+    holders: dict[str, set[int]] = {name: set() for name in names}
+    for pid in pids():
+        for path in [p for _, _, p in maps(pid)] + fd_targets(pid):
+            if path in by_path:
+                holders[by_path[path]].add(pid)
+    return holders
