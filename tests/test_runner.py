@@ -413,6 +413,9 @@ result = {
 }
 with open(f"{sys.argv[1]}.{accelerator.process_index}", "w") as f:
     json.dump(result, f)
+# As every distributed script should: a Gloo group left to interpreter exit can abort the
+# process ("terminate called without an active exception", pytorch/pytorch#190489).
+torch.distributed.destroy_process_group()
 '''
 
 
