@@ -34,11 +34,15 @@ Three measures, each side by side in one run:
 
 Usage::
 
-    python bench/state.py [--quick] [--json PATH] [--baseline REV]
+    python bench/state.py [--quick] [--reps N] [--out DIR] [--json PATH] [--baseline REV]
+
+It runs on bench/common.py's parser (`--reps`: the rounds of part 2, and of the repeats
+of parts 2 and 3), summary ("median [min–max]") and writers. common.py is imported only
+in the parent: it puts this tree first on sys.path, and the per-batch child must import
+the tree it was started in.
 """
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import os
@@ -55,8 +59,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def med_range(values, scale=1.0, spec=".1f") -> str:
-    v = sorted(x * scale for x in values)
-    return f"{statistics.median(v):{spec}} [{v[0]:{spec}}–{v[-1]:{spec}}]"
+    import common  # see the module docstring: never in the per-batch child
+
+    return common.summarize(x * scale for x in values).fmt(spec)
 
 
 # ---------------------------------------------------------------------------
@@ -103,8 +108,10 @@ def measure_state_dict(loader_cls, workers: int, calls: int) -> dict:
     return {"us": [t * 1e6 for t in cold], "warm_us": [t * 1e6 for t in warm], "bytes": buf.tell()}
 
 
-def measure_step(loader_cls, workers: int, batches: int, sleep_s: float, **kw) -> list:
-    """µs of main thread per next()+del with the batch waiting (one value per batch)."""
+def measure_step(loader_cls, workers: int, batches: int, sleep_s: float, save: bool = False,
+                 **kw) -> list:
+    """µs of main thread per next()+del (+ state_dict() with `save`) with the batch
+    waiting (one value per batch)."""
     loader = loader_cls(Tiny(), batch_size=8, shuffle=True, num_workers=workers, **kw)
     it = iter(loader)
     for _ in range(2 * workers + 1):
@@ -115,24 +122,8 @@ def measure_step(loader_cls, workers: int, batches: int, sleep_s: float, **kw) -
         t0 = time.perf_counter()
         batch = next(it)
         del batch
-        times.append(time.perf_counter() - t0)
-    del it, loader
-    return [t * 1e6 for t in times]
-
-
-def measure_every_step_saves(loader_cls, workers: int, batches: int, sleep_s: float) -> list:
-    """µs of main thread per step for next()+del+state_dict(), the batch waiting."""
-    loader = loader_cls(Tiny(), batch_size=8, shuffle=True, num_workers=workers)
-    it = iter(loader)
-    for _ in range(2 * workers + 1):
-        next(it)
-    times = []
-    for _ in range(batches):
-        time.sleep(sleep_s)
-        t0 = time.perf_counter()
-        batch = next(it)
-        del batch
-        loader.state_dict()
+        if save:
+            loader.state_dict()
         times.append(time.perf_counter() - t0)
     del it, loader
     return [t * 1e6 for t in times]
@@ -310,30 +301,36 @@ def measure_capture(repeat: int) -> dict:
 # ---------------------------------------------------------------------------
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer calls, batches and rounds")
-    parser.add_argument("--json", help="write every raw number here")
+    if sys.argv[1:2] == ["--per-batch-child"]:  # before common.py touches sys.path
+        per_batch_child(int(sys.argv[2]), float(sys.argv[3]))
+        return
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import common
+
+    parser = common.parser("state", __doc__, reps=(5, 3), warmup_reps=(0, 0))
     parser.add_argument("--workers", default="2,8,32")
-    parser.add_argument("--calls", type=int, default=50)
+    parser.add_argument("--calls", type=int, default=None, help="state_dict() calls (default 50; quick 20)")
     parser.add_argument("--baseline", default="origin/main",
                         help="git revision to compare the per-batch cost with ('' to skip)")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--batches", type=int, default=300)
+    parser.add_argument("--batches", type=int, default=None,
+                        help="batches per round of part 2 (default 300; quick 150)")
     parser.add_argument("--sleep-ms", type=float, default=2.0)
-    parser.add_argument("--per-batch-child", nargs=2, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.per_batch_child:
-        per_batch_child(int(args.per_batch_child[0]), float(args.per_batch_child[1]))
-        return
-    if args.quick:
-        args.calls, args.rounds, args.batches = 20, 3, 150
+    args = common.parse(parser)
+    args.calls = args.calls or (20 if args.quick else 50)
+    args.batches = args.batches or (150 if args.quick else 300)
+    args.rounds = args.reps
+    text: list[str] = []
+
+    def say(line: str) -> None:  # printed now; the whole report also goes to --markdown
+        print(line, flush=True)
+        text.append(line)
+
     warnings.simplefilter("ignore")
     sys.path.insert(0, ROOT)
     from poolloader import PoolLoader
 
-    raw = {"config": vars(args), "python": platform.python_version(),
-           "load_average": os.getloadavg()}
-    print(f"# bench/state.py  (Python {platform.python_version()}, {os.cpu_count()} CPUs, "
+    raw: dict = {"load_average": os.getloadavg()}
+    say(f"# bench/state.py  (Python {platform.python_version()}, {os.cpu_count()} CPUs, "
           f"load {os.getloadavg()[0]:.1f})\n")
 
     # 1
@@ -348,14 +345,14 @@ def main() -> None:
         rows.append(f"| {workers} | {med_range(pool['us'])} | {med_range(pool['warm_us'])} | "
                     f"{med_range(ref['us']) if ref else 'not installed'} | {ratio} | "
                     f"{pool['bytes']:,} / {ref['bytes'] if ref else 0:,} |")
-    print("## state_dict(), µs per call, median [min–max]\n")
-    print("PoolLoader decodes each worker's latest record (cold: all of them); a record once "
+    say("## state_dict(), µs per call, median [min–max]\n")
+    say("PoolLoader decodes each worker's latest record (cold: all of them); a record once "
           "decoded is kept, so a repeated call decodes only the workers that delivered since "
           "(warm: none).\n")
-    print("| workers | PoolLoader cold | PoolLoader warm | StatefulDataLoader | Pool cold / SDL | "
+    say("| workers | PoolLoader cold | PoolLoader warm | StatefulDataLoader | Pool cold / SDL | "
           "torch.save bytes Pool / SDL |")
-    print("|---:|---:|---:|---:|---:|---:|")
-    print("\n".join(rows) + "\n")
+    say("|---:|---:|---:|---:|---:|---:|")
+    say("\n".join(rows) + "\n")
     if stateful:
         # StatefulDataLoader's state_dict() returns the snapshot it builds on every step:
         # its cost is in next(). Shown: its next() with and without per-step snapshots,
@@ -366,39 +363,39 @@ def main() -> None:
         for workers in [int(w) for w in args.workers.split(",")]:
             on = measure_step(stateful, workers, steps, sleep, snapshot_every_n_steps=1)
             off = measure_step(stateful, workers, steps, sleep, snapshot_every_n_steps=0)
-            pool_save = measure_every_step_saves(PoolLoader, workers, steps, sleep)
-            sdl_save = measure_every_step_saves(stateful, workers, steps, sleep)
+            pool_save = measure_step(PoolLoader, workers, steps, sleep, save=True)
+            sdl_save = measure_step(stateful, workers, steps, sleep, save=True)
             raw["per_step"][workers] = {"sdl_snapshots": on, "sdl_no_snapshots": off,
                                         "pool_save_every_step": pool_save,
                                         "sdl_save_every_step": sdl_save}
             rows.append(f"| {workers} | {med_range(on)} | {med_range(off)} | "
                         f"{statistics.median(on) - statistics.median(off):+.1f} | "
                         f"{med_range(pool_save)} | {med_range(sdl_save)} |")
-        print(f"StatefulDataLoader builds its state at every step instead; main-thread µs per "
+        say(f"StatefulDataLoader builds its state at every step instead; main-thread µs per "
               f"step, median [min–max] over {steps} steps (batch waiting):\n")
-        print("| workers | SDL next(), snapshots on | SDL next(), off | SDL per-step snapshot | "
+        say("| workers | SDL next(), snapshots on | SDL next(), off | SDL per-step snapshot | "
               "Pool next()+state_dict() | SDL next()+state_dict() |")
-        print("|---:|---:|---:|---:|---:|---:|")
-        print("\n".join(rows) + "\n")
+        say("|---:|---:|---:|---:|---:|---:|")
+        say("\n".join(rows) + "\n")
 
     # 2
     ops = measure_added_ops(args.rounds * 4)
     raw["added_ops"] = ops
-    print("## main process, per batch\n")
-    print(f"Added calls, alone: copy of the worker's record out of the slot ({ops['record_bytes']:,} "
+    say("## main process, per batch\n")
+    say(f"Added calls, alone: copy of the worker's record out of the slot ({ops['record_bytes']:,} "
           f"bytes) {med_range(ops['copy_record_us'], spec='.2f')} µs; tracker hand-over "
           f"{med_range(ops['hand_over_us'], spec='.2f')} µs; sampler draw through the tracker "
           f"{med_range(ops['next_index_us'], spec='.2f')} µs.\n")
     ab = hooks_ab(args.rounds, args.batches, args.sleep_ms / 1000)
     raw["hooks_ab_us"] = ab
-    print(f"next()+del of a waiting one-tensor batch, 2 workers, in this process: the resume "
+    say(f"next()+del of a waiting one-tensor batch, 2 workers, in this process: the resume "
           f"hooks on, and swapped for the pre-change path; wall (median of {args.batches} "
           f"batches) and main-thread CPU (mean per batch), median [min–max] of {2 * args.rounds} "
           "rounds, alternating:\n")
-    print("| main path | wall µs per batch | main-thread CPU µs per batch |\n|---|---:|---:|")
+    say("| main path | wall µs per batch | main-thread CPU µs per batch |\n|---|---:|---:|")
     for arm, label in (("off", "pre-change (hooks off)"), ("on", "with resume hooks")):
-        print(f"| {label} | {med_range(ab[arm]['wall'])} | {med_range(ab[arm]['cpu'])} |")
-    print(f"\nDifference of medians: wall "
+        say(f"| {label} | {med_range(ab[arm]['wall'])} | {med_range(ab[arm]['cpu'])} |")
+    say(f"\nDifference of medians: wall "
           f"{statistics.median(ab['on']['wall']) - statistics.median(ab['off']['wall']):+.1f} µs, CPU "
           f"{statistics.median(ab['on']['cpu']) - statistics.median(ab['off']['cpu']):+.1f} µs per batch.\n")
     if args.baseline:
@@ -416,17 +413,17 @@ def main() -> None:
             raw["per_batch_us"] = results
             rev = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", args.baseline],
                                  capture_output=True, text=True).stdout.strip()
-            print(f"next()+del of a waiting one-tensor batch, 2 workers, µs: wall (median of "
+            say(f"next()+del of a waiting one-tensor batch, 2 workers, µs: wall (median of "
                   f"{args.batches} batches per round) and main-thread CPU (mean per batch); "
                   f"median [min–max] of {2 * args.rounds} rounds, trees alternating:\n")
-            print("| tree | wall µs per batch | main-thread CPU µs per batch |\n|---|---:|---:|")
-            print(f"| baseline {args.baseline} ({rev}) | {med_range(results['baseline']['wall'])} | "
+            say("| tree | wall µs per batch | main-thread CPU µs per batch |\n|---|---:|---:|")
+            say(f"| baseline {args.baseline} ({rev}) | {med_range(results['baseline']['wall'])} | "
                   f"{med_range(results['baseline']['cpu'])} |")
-            print(f"| this tree | {med_range(results['this tree']['wall'])} | "
+            say(f"| this tree | {med_range(results['this tree']['wall'])} | "
                   f"{med_range(results['this tree']['cpu'])} |")
             diff = {m: statistics.median(results["this tree"][m]) - statistics.median(results["baseline"][m])
                     for m in ("wall", "cpu")}
-            print(f"\nDifference of medians: wall {diff['wall']:+.1f} µs, CPU {diff['cpu']:+.1f} µs "
+            say(f"\nDifference of medians: wall {diff['wall']:+.1f} µs, CPU {diff['cpu']:+.1f} µs "
                   "per batch.\n")
         finally:
             subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force",
@@ -436,13 +433,14 @@ def main() -> None:
     # 3
     cap = measure_capture(args.rounds * 4)
     raw["worker_capture"] = cap
-    print("## worker, per batch\n")
-    print(f"Record capture (random + numpy + torch RNG states, pickled): "
+    say("## worker, per batch\n")
+    say(f"Record capture (random + numpy + torch RNG states, pickled): "
           f"{med_range(cap['capture_us'])} µs, {cap['record_bytes']:,} bytes.\n")
 
+    if args.markdown:
+        common.write_text(args.markdown, "\n".join(text))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(raw, f, indent=1, default=str)
+        common.write_json(args.json, {"bench": "state", "config": vars(args), **raw})
 
 
 if __name__ == "__main__":
