@@ -12,6 +12,10 @@ its own session, so a crash, a hang or a leak in one cannot touch the next):
   ring      bench/ring.py      ring vs multiprocessing Pipe/Queue
   shards    bench/shards.py    sharded / WebDataset-style data
 
+Two benchmarks on the same runner are left out, to be run by hand:
+bench/gpu.py needs CUDA (it exits 2 without it), and bench/state.py compares this
+tree with a git revision (`--baseline`).
+
 Each benchmark's own docstring states its method; all run DataLoader and
 PoolLoader side by side in the same process run. Every one parses its command
 line with bench/common.py's shared parser, so this script gives each the same
