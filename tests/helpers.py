@@ -10,6 +10,7 @@ conftest fixture fails any test that leaves the name behind.
 import contextlib
 import os
 import signal
+import subprocess
 import time
 
 import posix_ipc
@@ -110,3 +111,15 @@ def wait_until(predicate, timeout: float) -> bool:
             return False
         time.sleep(0.02)
     return True
+
+
+def communicate_within(proc: subprocess.Popen, timeout: float, what: str) -> tuple:
+    """(stdout, stderr) of `proc` once it exits; past `timeout` s it is killed and an
+    AssertionError carries `what` and the tail of what it printed."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate(timeout=10)
+        raise AssertionError(f"{what} ran longer than {timeout} s:\n{(out or '')[-2000:]}\n"
+                             f"{(err or '')[-3000:]}") from None

@@ -22,7 +22,7 @@ import textwrap
 
 import pytest
 import torch
-from helpers import leftovers, pid_running
+from helpers import communicate_within, leftovers, pid_running
 
 RUN_TIMEOUT_S = 120
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -107,12 +107,7 @@ def _run(cmd, cwd, timeout=RUN_TIMEOUT_S):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate(timeout=10)
-        pytest.fail(f"{cmd} ran longer than {timeout} s:\n{out[-2000:]}\n{err[-3000:]}")
+    out, err = communicate_within(proc, timeout, str(cmd))
     return proc.returncode, out, err, proc.pid
 
 

@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import leftovers
+from helpers import communicate_within, leftovers
 
 from fixtures.synthetic import make_coco_like
 
@@ -29,12 +29,7 @@ def _run(loader, data, out, extra=()):
            "--json", str(out), *ARGS, *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=ROOT)
-    try:
-        output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        output, _ = proc.communicate(timeout=10)
-        pytest.fail(f"{loader} run took longer than {RUN_TIMEOUT_S} s:\n{output[-3000:]}")
+    output, _ = communicate_within(proc, RUN_TIMEOUT_S, f"the {loader} run")
     assert proc.returncode == 0, f"{loader} run failed ({proc.returncode}):\n{output[-3000:]}"
     with open(out) as f:
         return proc.pid, output, json.load(f)
