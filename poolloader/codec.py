@@ -89,7 +89,17 @@ class SlotWriter:
             "instead (tensor.clone()).", RuntimeWarning, stacklevel=3)
 
     def end(self) -> None:
+        # keep no view of the mapping between batches: main may detach or replace it
         self.mapping = None
+        self.u8 = self.np_u8 = None
+
+    def forget_stale(self, current: set[int]) -> None:
+        """Drop the cached views of every mapping whose id is not in `current` (the
+        worker's live slot mappings after a sync), so a replaced or detached segment
+        is unmapped here as soon as nothing else views it."""
+        for slot, cached in list(self._cache.items()):
+            if id(cached[0]) not in current:
+                del self._cache[slot]
 
     def alloc(self, nbytes: int) -> int | None:
         off = align64(self.cursor)

@@ -19,7 +19,10 @@ the readers below; both sides use these functions only:
            [6] reserved
            [7] reserved
     64   doorbell             DOORBELL_BYTES
-    A    slot table           max_slots × (generation u64, size u64)
+    A    slot table           max_slots × 4 u64: generation, size, and where a worker
+                              finds the segment: memfd backend: main's descriptor number
+                              and the segment's inode; POSIX backend: 0, 0 (the name
+                              follows from the prefix, slot and generation)
     B    ack table            num_workers × max_slots u64: generation mapped by each worker
     S    worker stats         num_workers × 4 u64, written by each worker for itself:
            [0] batches produced  [1] ns producing (fetch + collate + encode)
@@ -44,6 +47,9 @@ from poolloader.errors import ControlCorrupt
 CONTROL_MAGIC = 0x6C6F72746E6F434C  # "LControl"
 _HEADER_FIELDS = 8
 H_MAGIC, H_WORKERS, H_MAX_SLOTS, H_NUM_SLOTS, H_GROWTH, H_MAIN_PID = range(6)
+# slot table columns (keep in sync with the layout above)
+S_GENERATION, S_SIZE, S_HANDLE_A, S_HANDLE_B = range(4)
+SLOT_ROW_BYTES = 8 * 4
 
 
 def _align(n: int, to: int = 64) -> int:
@@ -58,7 +64,7 @@ class ControlLayout:
         self.max_slots = max_slots
         self.doorbell = 64
         self.slot_table = _align(self.doorbell + DOORBELL_BYTES)
-        self.ack_table = _align(self.slot_table + 16 * max_slots)
+        self.ack_table = _align(self.slot_table + SLOT_ROW_BYTES * max_slots)
         self.worker_stats = _align(self.ack_table + 8 * num_workers * max_slots)
         self.rings = _align(self.worker_stats + 32 * num_workers)
         self.ring_bytes = _align(Ring.nbytes(max_slots))
@@ -82,8 +88,9 @@ class Control:
         self.layout = lay = ControlLayout(num_workers, max_slots)
         self.mapping = mapping
         self.header = np.ndarray((_HEADER_FIELDS,), np.uint64, buffer=mapping, offset=0)
-        # slot_table[s] = (generation, size in bytes) of slot s's current segment
-        self.slot_table = np.ndarray((max_slots, 2), np.uint64, buffer=mapping, offset=lay.slot_table)
+        # slot_table[s] = (generation, size in bytes, handle a, handle b) of slot s's
+        # current segment (columns S_*)
+        self.slot_table = np.ndarray((max_slots, 4), np.uint64, buffer=mapping, offset=lay.slot_table)
         # acks[w, s] = generation of slot s that worker w has mapped (0: none)
         self.acks = np.ndarray((num_workers, max_slots), np.uint64, buffer=mapping, offset=lay.ack_table)
         # worker_stats[w] = (batches, producing ns, waiting ns, reserved)

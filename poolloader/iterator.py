@@ -66,7 +66,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         self._pool = SlotPool(
             n, size.slots, size.max_slots, size.slot_bytes, loader.shm_limit,
             on_map=self._gate.register if self._gate else None,
-            on_unmap=self._gate.unregister if self._gate else None)
+            on_unmap=self._gate.unregister if self._gate else None, backend=loader.shm_backend)
         self._ledger = SlotLedger(self._pool, self._stats, self._gate, size.capacity)
         self._shutdown = False
         try:
@@ -79,10 +79,10 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                     auto_collation=self._auto_collation, collate_fn=self._collate_fn,
                     drop_last=self._drop_last, base_seed=int(self._base_seed),
                     init_fn=loader.worker_init_fn, worker_id=i, num_workers=n,
-                    prefix=self._pool.prefix, resume=self._resume.worker_plan(i))
+                    pool=self._pool.locator, resume=self._resume.worker_plan(i))
                 self._workers.append(supervise.start_worker(ctx, worker_loop, (cfg,)))
             supervise.track(self)
-            self._stats._attach(self._pool)
+            self._stats._attach(self._pool, self._ledger)
             self._reset(loader, first_iter=True)
         except BaseException:
             self._shutdown_workers()
@@ -91,7 +91,8 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
     # -- what a user (or a test) may look at ----------------------------------
     @property
     def shm_prefix(self) -> str | None:
-        """The /dev/shm name prefix of this iterator's pool (every name starts with it)."""
+        """The /dev/shm name prefix of this iterator's pool (every name starts with it);
+        None with the memfd backend, which names nothing."""
         return None if self._pool is None else self._pool.prefix
 
     @property

@@ -231,9 +231,13 @@ class SlotLedger:
 
     def held_bytes(self) -> int:
         """Shared memory that batches the consumer still holds keep alive."""
-        held = sum(m.size for m in self.detached.values())
+        held = self.detached_bytes()
         pool = self.pool
         return held + sum(pool.size(slot) for slot in self.leases.values())
+
+    def detached_bytes(self) -> int:
+        """Shared memory of detached batches not yet given back (the consumer's)."""
+        return sum(m.size for m in self.detached.values() if not m.closed)
 
     def _space_error(self, error: ShmSpaceError) -> ShmSpaceError:
         held = self.held_bytes()

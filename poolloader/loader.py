@@ -36,8 +36,14 @@ class PoolLoader(DataLoader[T_co]):
                   request waits (bounded) for a cooling slot, or detaches the
                   oldest batch the consumer holds: it never fails.
       shm_limit   cap in bytes on the pool's shared memory (also the
-                  POOLLOADER_SHM_LIMIT environment variable); None: /dev/shm's
-                  free space is the only limit.
+                  POOLLOADER_SHM_LIMIT environment variable); None: the memory
+                  available to the process (or /dev/shm's free space, for
+                  shm_backend="posix") is the only limit.
+      shm_backend where the slots live: "memfd" (default where it works: anonymous
+                  shared memory outside /dev/shm, so a container's 64 MiB
+                  /dev/shm does not limit it, and nothing is named: a crash
+                  leaves nothing behind) or "posix" (named segments in /dev/shm).
+                  Also the POOLLOADER_SHM_BACKEND environment variable.
       device      e.g. "cuda": the loader copies each batch to this device itself,
                   on a side stream one batch ahead, from the page-locked slots,
                   and yields device tensors safe to use on the current stream.
@@ -54,7 +60,7 @@ class PoolLoader(DataLoader[T_co]):
                  worker_init_fn=None, multiprocessing_context=None, generator=None, *,
                  prefetch_factor=None, persistent_workers=False, pin_memory_device="",
                  in_order=True, slot_bytes=DEFAULT_SLOT_BYTES, slots=None, max_slots=None,
-                 shm_limit=None, device=None):
+                 shm_limit=None, device=None, shm_backend=None):
         super().__init__(
             dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
             batch_sampler=batch_sampler, num_workers=num_workers, collate_fn=collate_fn,
@@ -80,7 +86,10 @@ class PoolLoader(DataLoader[T_co]):
         self.slot_bytes = slot_bytes
         self.slots = slots
         self.max_slots = max_slots
+        if shm_backend is not None and shm_backend not in ("memfd", "posix"):
+            raise ValueError(f"shm_backend must be 'memfd' or 'posix', got {shm_backend!r}")
         self.shm_limit = shm_limit
+        self.shm_backend = shm_backend
         self.device = device
         self.stats = LoaderStats()
         self._resume_plan = None     # a loaded state for the next iterator

@@ -3,10 +3,17 @@
 The pool knows nothing about what a slot holds. SlotPool (main) creates the control
 block and the slots, grows a slot by replacing its segment with a new generation
 (never resizing a mapping in place: a CUDA host registration would not follow it),
-detaches a slot's segment for a batch the consumer keeps, and unlinks slot names as
-soon as every worker has mapped them (acks in the control block; the control name
-stays for the pool's life: it carries the owner lock, see segments.py). WorkerSlots
-maps, in a worker, whatever generation each slot has now and acknowledges it.
+detaches a slot's segment for a batch the consumer keeps, and releases what workers
+need to find a segment (a memfd's descriptor, a POSIX name) as soon as every worker
+has mapped it (acks in the control block). WorkerSlots maps, in a worker, whatever
+generation each slot has now, acknowledges it, and drops its mapping of every
+segment that is no longer the slot's, so every process maps only live segments.
+
+Where segments live is the backend's (`backend=`): "memfd" (memfd.py, the default:
+anonymous, outside /dev/shm, nothing named) or "posix" (segments.py: named segments
+in /dev/shm through posix-ipc, with an owner lock and a sweep of dead owners' names).
+Both hand out the same poolloader._shm.Mapping, so nothing above this module (the
+codec, the CUDA registration) knows which one is in use.
 
 Everything a worker can write is untrusted here: main keeps its own copies of what
 it wrote (generations, the growth counter, slot counts) and checks the ack table
@@ -16,41 +23,82 @@ it attached (see control.py).
 from __future__ import annotations
 
 import os
+import warnings
 
 import numpy as np
-import posix_ipc
 
+from poolloader import memfd
 from poolloader._shm import Mapping
-from poolloader.control import H_GROWTH, H_MAIN_PID, H_NUM_SLOTS, Control, ControlLayout
-from poolloader.errors import ControlCorrupt
+from poolloader.control import (
+    H_GROWTH,
+    H_MAIN_PID,
+    H_NUM_SLOTS,
+    S_GENERATION,
+    S_HANDLE_A,
+    S_HANDLE_B,
+    S_SIZE,
+    Control,
+    ControlLayout,
+)
+from poolloader.errors import ControlCorrupt, ShmSpaceError
 from poolloader.segments import (
     SHM_LIMIT_ENV,
-    claim_control,
-    control_name,
-    create_segment,
-    open_segment,
+    PosixAttachment,
+    PosixSegments,
     page_round,
-    pool_names,
-    release_owner_lock,
     retire,
-    shm_free_bytes,
-    slot_name,
-    space_error,
-    sweep_stale,
-    unlink_quietly,
 )
+
+BACKEND_ENV = "POOLLOADER_SHM_BACKEND"
+BACKENDS = ("memfd", "posix")
+_warned_fallback = False
+
+
+def choose_backend(requested: str | None) -> str:
+    """The backend a new pool uses: `requested`, else $POOLLOADER_SHM_BACKEND, else
+    "memfd" where this process can use it (else "posix", with one warning saying why).
+
+    memfd is the default everywhere it works: it needs no /dev/shm space (Docker's
+    default is 64 MiB), names nothing, so a crash leaves nothing, and it is the same
+    shmem memory as /dev/shm (same speed, registrable with CUDA). Choosing by free
+    space would make the same job name segments on one host and not on another."""
+    global _warned_fallback
+    kind = requested or os.environ.get(BACKEND_ENV) or None
+    if kind is not None and kind not in BACKENDS:
+        raise ValueError(f"shm_backend must be one of {BACKENDS}, got {kind!r}"
+                         + (f" (from ${BACKEND_ENV})" if not requested else ""))
+    if kind == "posix":
+        return kind
+    why_not = memfd.supported()
+    if why_not is None:
+        return "memfd"
+    if kind == "memfd":
+        raise OSError(f"shm_backend='memfd' cannot be used here: {why_not}; use shm_backend='posix'")
+    if not _warned_fallback:
+        _warned_fallback = True
+        warnings.warn(f"PoolLoader: anonymous shared memory cannot be used here ({why_not}); "
+                      "using named segments in /dev/shm (shm_backend='posix')", stacklevel=3)
+    return "posix"
+
+
+def attach(locator: tuple):
+    """Worker side: the backend attachment for a pool's `locator` (SlotPool.locator)."""
+    if locator[0] == "memfd":
+        return memfd.MemfdAttachment(*locator[1:])
+    return PosixAttachment(locator[1])
 
 
 class SlotPool:
-    """Main side: owns every name and segment of one loader's pool.
+    """Main side: owns every segment of one loader's pool.
 
     `on_map(mapping, slot)` / `on_unmap(mapping, slot)` let the CUDA part register
     each mapping once, at creation, and unregister it before it is unmapped. Only
-    main calls this; workers use WorkerSlots.
+    main calls this; workers use WorkerSlots. `backend`: see choose_backend.
     """
 
     def __init__(self, num_workers: int, slots: int, max_slots: int, slot_bytes: int,
-                 shm_limit: int | None = None, on_map=None, on_unmap=None):
+                 shm_limit: int | None = None, on_map=None, on_unmap=None,
+                 backend: str | None = None):
         if shm_limit is None and os.environ.get(SHM_LIMIT_ENV):
             shm_limit = int(os.environ[SHM_LIMIT_ENV])
         self.shm_limit = shm_limit
@@ -58,29 +106,28 @@ class SlotPool:
         self.max_slots = max_slots
         self.target_bytes = page_round(slot_bytes)
         self._owner_pid = os.getpid()
-        self.prefix = ""  # set once the control segment is claimed
+        kind = choose_backend(backend)
+        self.segments = (memfd.MemfdSegments if kind == "memfd" else PosixSegments)(self._owner_pid)
         self._on_map = on_map
         self._on_unmap = on_unmap
         self.mappings: list[Mapping | None] = []
         self.generations: list[int] = []
         self.growth_events = 0
-        self._pending: dict[str, tuple[int, int]] = {}  # name -> (slot, generation) awaiting acks
-        self._names: set[str] = set()  # every name not yet unlinked
+        # release key (name or descriptor) -> (slot, generation) awaiting acks
+        self._pending: dict = {}
+        self._keys: list = []  # each slot's current segment's release key (None: released)
         # set below, and None again only after close(): nothing uses them then
         self.control: Control = None  # type: ignore[assignment]
         self._control_mapping: Mapping = None  # type: ignore[assignment]
-        self._control_name = ""
-        self._lock_fd: int | None = None  # holds the owner lock: the pool's one descriptor
         self._growth = 0  # main's copy of the growth counter it publishes
         self._closed = False
-        sweep_stale()
         try:
             lay = ControlLayout(num_workers, max_slots)
-            needed = lay.nbytes + slots * self.target_bytes
-            free = shm_free_bytes()
-            if needed > free:
-                raise space_error(needed, free, f"a pool of {slots} slots of {self.target_bytes} bytes")
-            self._claim_control(lay.nbytes)
+            self._check_cap(lay.nbytes + slots * self.target_bytes, 0,
+                            f"a pool of {slots} slots of {self.target_bytes} bytes")
+            self.segments.check_space(lay.nbytes + slots * self.target_bytes,
+                                      f"a pool of {slots} slots of {self.target_bytes} bytes")
+            self._control_mapping = self.segments.claim_control(lay.nbytes)
             self.control = Control(self._control_mapping, num_workers, max_slots, create=True)
             self.control.header[H_MAIN_PID] = os.getpid()
             for _ in range(slots):
@@ -89,12 +136,28 @@ class SlotPool:
             self.close()
             raise
 
-    def _claim_control(self, nbytes: int) -> None:
-        """Create the control segment under a fresh prefix and hold its owner lock."""
-        prefix, mapping, fd = claim_control(self._owner_pid, nbytes, self.shm_limit)
-        self.prefix, self._control_name = prefix, control_name(prefix)
-        self._control_mapping, self._lock_fd = mapping, fd
-        self._names.add(self._control_name)
+    @property
+    def backend(self) -> str:
+        return self.segments.kind
+
+    @property
+    def locator(self) -> tuple:
+        """What a worker needs to attach to this pool (picklable; WorkerSlots)."""
+        return self.segments.locator
+
+    @property
+    def prefix(self) -> str | None:
+        """The POSIX backend's name prefix in /dev/shm; None for memfd (no names)."""
+        return getattr(self.segments, "prefix", None)
+
+    def _check_cap(self, nbytes: int, pool_bytes: int, what: str) -> None:
+        limit = self.shm_limit
+        if limit is not None and pool_bytes + nbytes > limit:
+            raise ShmSpaceError(
+                f"poolloader needs {nbytes} more bytes of shared memory for {what}, which "
+                f"would bring the pool to {pool_bytes + nbytes} bytes, over the cap of {limit} "
+                f"bytes (shm_limit= or ${SHM_LIMIT_ENV}). Raise the cap, or lower slot_bytes, "
+                "prefetch_factor or num_workers.")
 
     # -- sizes ---------------------------------------------------------------
     @property
@@ -117,11 +180,13 @@ class SlotPool:
             raise ValueError(f"internal error: slot {slot} beyond max_slots={self.max_slots}")
         self.mappings.append(None)
         self.generations.append(0)
+        self._keys.append(None)
         try:
             self._map_new(slot, self.target_bytes)
         except BaseException:
             self.mappings.pop()
             self.generations.pop()
+            self._keys.pop()
             raise
         self.control.header[H_NUM_SLOTS] = len(self.mappings)
         self._bump()
@@ -151,15 +216,18 @@ class SlotPool:
         self._bump()
 
     def detach(self, slot: int):
-        """Take `slot`'s segment out of the pool and return its mapping: its name is
-        unlinked and the slot is empty (generation 0: workers skip it) until
-        `refill()`. The mapping is the caller's: still mapped (and registered)."""
+        """Take `slot`'s segment out of the pool and return its mapping: what workers
+        would find it by is released and the slot is empty (generation 0: workers drop
+        their mapping of it at their next sync) until `refill()`. The mapping is the
+        caller's: still mapped (and registered)."""
         old = self.mappings[slot]
-        self._pending.pop(slot_name(self.prefix, slot, self.generations[slot]), None)
-        self._unlink(slot_name(self.prefix, slot, self.generations[slot]))
+        key = self._keys[slot]
+        if key is not None:
+            self._pending.pop(key, None)
+            self.segments.release(key)
+            self._keys[slot] = None
         self.mappings[slot] = None
-        self.control.slot_table[slot, 0] = 0
-        self.control.slot_table[slot, 1] = 0
+        self.control.slot_table[slot] = 0  # generation first of all: readers key on it
         self._bump()
         return old
 
@@ -169,24 +237,24 @@ class SlotPool:
         self._bump()
 
     def _map_new(self, slot: int, nbytes: int) -> None:
+        what = f"slot {slot} ({nbytes} bytes)"
+        self._check_cap(nbytes, self.total_bytes + self._control_mapping.size, what)
         generation = self.generations[slot] + 1
-        name = slot_name(self.prefix, slot, generation)
-        mapping = create_segment(name, nbytes, f"slot {slot} ({nbytes} bytes)",
-                                 self.total_bytes + self._control_mapping.size,
-                                 self.shm_limit)
+        mapping, a, b, key = self.segments.create(slot, generation, nbytes, what)
         if self._on_map is not None:
             try:
                 self._on_map(mapping, slot)
             except BaseException:
-                unlink_quietly(name)
+                self.segments.release(key)
                 retire(mapping)
                 raise
-        self._names.add(name)
-        self._pending[name] = (slot, generation)
+        self._pending[key] = (slot, generation)
+        self._keys[slot] = key
         self.mappings[slot] = mapping
         self.generations[slot] = generation
-        self.control.slot_table[slot, 1] = nbytes
-        self.control.slot_table[slot, 0] = generation  # last: readers key on it
+        row = self.control.slot_table[slot]
+        row[S_SIZE], row[S_HANDLE_A], row[S_HANDLE_B] = nbytes, a, b
+        row[S_GENERATION] = generation  # last: readers key on it
 
     def _bump(self) -> None:
         self._growth += 1
@@ -204,20 +272,20 @@ class SlotPool:
         mapping = self.mappings[slot]
         return mapping is None or mapping.size < self.target_bytes
 
-    # -- names ---------------------------------------------------------------
+    # -- what workers find segments by ------------------------------------------
     def unlink_mapped(self) -> int:
-        """Unlink every slot name that all workers have mapped; returns how many remain.
+        """Release (unlink a name, close a descriptor) every segment all workers have
+        mapped; returns how many remain.
 
         Called after each returned slot and on main's wait ticks; a dict check
-        when nothing is pending. The control name stays until close(): it carries
-        the owner lock (module docstring). Workers write the ack table, so it is
-        read once into a local copy and checked against the generations main made:
+        when nothing is pending. Workers write the ack table, so it is read once
+        into a local copy and checked against the generations main made:
         ControlCorrupt if a worker claims one that does not exist.
         """
         if not self._pending:
             return 0
         acks = np.array(self.control.acks)  # one read of what workers wrote
-        for name, (slot, generation) in list(self._pending.items()):
+        for key, (slot, generation) in list(self._pending.items()):
             acked = acks[:, slot]
             if int(acked.max()) > self.generations[slot]:
                 worker = int(acked.argmax())
@@ -227,32 +295,30 @@ class SlotPool:
                     "table was overwritten by a process that maps it (a stray write in code "
                     "running in a worker)")
             if int(acked.min()) >= generation:
-                del self._pending[name]
-                self._unlink(name)
+                del self._pending[key]
+                if self._keys[slot] == key:
+                    self._keys[slot] = None
+                self.segments.release(key)
         return len(self._pending)
 
-    def _unlink(self, name: str) -> None:
-        if name in self._names:
-            self._names.discard(name)
-            unlink_quietly(name)
-
     @property
-    def live_names(self) -> set[str]:
-        return set(self._names)
+    def live_names(self) -> set:
+        """POSIX: every name of the pool still in /dev/shm; memfd: the descriptors main
+        still holds for workers to open (empty in steady state)."""
+        return self.segments.live_handles
 
     def close(self) -> None:
-        """Unlink every name and drop every mapping. Leased slots stay mapped
-        until their last view dies (invariant 3). Idempotent."""
+        """Release every name and descriptor and drop every mapping. Leased slots stay
+        mapped until their last view dies (invariant 3). Idempotent."""
         if self._closed or os.getpid() != self._owner_pid:
             return  # an inherited copy in a forked child owns nothing
         self._closed = True
-        # slot names first, the control name last: a sweeper that finds slot names
-        # without their control segment leaves them alone
-        for name in sorted(self._names, key=lambda name: name == self._control_name):
-            unlink_quietly(name)
-        self._names.clear()
         self._pending.clear()
         failure = None
+        try:
+            self.segments.close()
+        except BaseException as e:
+            failure = e
         for slot, mapping in enumerate(self.mappings):
             if mapping is not None:
                 try:
@@ -268,9 +334,6 @@ class SlotPool:
         if self._control_mapping is not None:
             retire(self._control_mapping)
             self._control_mapping = None  # type: ignore[assignment]
-        if self._lock_fd is not None:
-            release_owner_lock(self._lock_fd)  # the names are gone already
-            self._lock_fd = None
         if failure is not None:
             raise failure
 
@@ -278,20 +341,17 @@ class SlotPool:
 class WorkerSlots:
     """Worker side: maps the control block and every current slot generation.
 
-    `sync()` maps what changed since last time and acknowledges it in the
-    control block, so main can unlink the names; it is cheap when nothing grew.
-    Every worker and main can write the control block, so what is read from it is
-    bounded by the shape validated at attach (ControlCorrupt otherwise).
+    `sync()` maps what changed since last time, acknowledges it in the control block
+    (so main can release it), and drops this worker's mapping of every segment that
+    is no longer its slot's; it is cheap when nothing grew. Every worker and main can
+    write the control block, so what is read from it is bounded by the shape
+    validated at attach (ControlCorrupt otherwise).
     """
 
-    def __init__(self, prefix: str, worker_id: int):
-        self.prefix = prefix
+    def __init__(self, locator: tuple, worker_id: int):
         self.worker_id = worker_id
-        shm = posix_ipc.SharedMemory(control_name(prefix))
-        try:
-            mapping = Mapping(shm.fd, shm.size)
-        finally:
-            shm.close_fd()
+        self.attachment = attach(locator)
+        mapping = self.attachment.control_mapping
         num_workers, max_slots = Control.read_shape(mapping)
         if not 0 <= worker_id < num_workers:
             raise ControlCorrupt(f"worker {worker_id}: the control block says the pool has "
@@ -299,10 +359,17 @@ class WorkerSlots:
         self.max_slots = max_slots
         self.control = Control(mapping, num_workers, max_slots, create=False)
         self.mappings: dict[int, tuple[int, Mapping]] = {}
+        self.dropped = False  # a sync dropped a mapping since the caller last looked
         self._seen_growth = -1
         self.sync()
 
+    def owner_alive(self) -> bool:
+        """Whether main (the pool's owner) still lives: its owner lock (segments.py)."""
+        return self.attachment.owner_alive()
+
     def sync(self) -> None:
+        """Map what changed. Sets `dropped` if a slot's mapping was dropped or replaced
+        (the caller then drops what it caches per mapping: SlotWriter.forget_stale)."""
         growth = int(self.control.header[H_GROWTH])
         if growth == self._seen_growth:
             return
@@ -312,17 +379,26 @@ class WorkerSlots:
             raise ControlCorrupt(f"worker {self.worker_id}: the control block says the pool has "
                                  f"{num_slots} slots, more than its max_slots={self.max_slots}")
         table = self.control.slot_table
+        for slot in list(self.mappings):
+            if slot >= num_slots:
+                del self.mappings[slot]
+                self.dropped = True
         for slot in range(num_slots):
-            generation = int(table[slot, 0])
+            row = np.array(table[slot])  # one read; main may rewrite it meanwhile
+            generation = int(row[S_GENERATION])
             have = self.mappings.get(slot)
             if generation == 0:  # detached by main, empty until refilled
                 if have is not None:
                     del self.mappings[slot]
+                    self.dropped = True
                 continue
             if have is None or have[0] != generation:
-                try:
-                    mapping = open_segment(slot_name(self.prefix, slot, generation))
-                except posix_ipc.ExistentialError:
+                if have is not None:
+                    del self.mappings[slot]  # that segment is no longer this slot's
+                    self.dropped = True
+                mapping = self.attachment.open_slot(slot, generation, int(row[S_SIZE]),
+                                                    int(row[S_HANDLE_A]), int(row[S_HANDLE_B]))
+                if mapping is None or int(table[slot, S_GENERATION]) != generation:
                     # main replaced it again meanwhile; a later sync maps the newer one
                     self._seen_growth = -1
                     continue
@@ -334,7 +410,7 @@ class WorkerSlots:
         if not 0 <= slot < self.max_slots:
             raise ControlCorrupt(f"worker {self.worker_id} was handed slot {slot}, outside the "
                                  f"pool's 0..{self.max_slots - 1}: its request ring was overwritten")
-        generation = int(self.control.slot_table[slot, 0])
+        generation = int(self.control.slot_table[slot, S_GENERATION])
         have = self.mappings.get(slot)
         if have is None or have[0] != generation:
             self._seen_growth = -1
@@ -345,10 +421,11 @@ class WorkerSlots:
                                    f"generation {generation}")
         return have[1]
 
-    def unlink_all(self) -> None:
-        """The parent died: remove every name it owned, control block last.
+    def current(self) -> set[int]:
+        """ids of the mappings this worker holds as current (SlotWriter.forget_stale)."""
+        return {id(m) for _, m in self.mappings.values()}
 
-        Found by listing /dev/shm for the prefix, not from the slot table, which
-        any process of the pool could have overwritten."""
-        for name in pool_names(self.prefix):
-            unlink_quietly(name)
+    def unlink_all(self) -> None:
+        """The parent died: remove whatever it left that outlives processes (POSIX names;
+        nothing for memfd)."""
+        self.attachment.orphaned()

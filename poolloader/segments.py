@@ -112,7 +112,7 @@ def _ofd_lock(fd: int, command: int) -> _Flock:
     return _Flock.from_buffer_copy(fcntl.fcntl(fd, command, bytes(request)))
 
 
-def _take_owner_lock(fd: int) -> bool:
+def take_owner_lock(fd: int) -> bool:
     """Take the owner lock on `fd`'s open file description; False if someone holds it."""
     try:
         _ofd_lock(fd, fcntl.F_OFD_SETLK)
@@ -126,25 +126,38 @@ def _take_owner_lock(fd: int) -> bool:
     return True
 
 
-def _owner_lock_held(fd: int) -> bool:
+def owner_lock_held(fd: int) -> bool:
     """Whether another open file description holds a lock on `fd`'s file."""
     return _ofd_lock(fd, fcntl.F_OFD_GETLK).l_type != fcntl.F_UNLCK
 
 
-_held_lock_fds: set[int] = set()  # owner-lock descriptors of this process's live pools
+_held_fds: set[int] = set()  # descriptors this process keeps for its live pools
 
 
-def _close_inherited_locks() -> None:
-    # In a child of os.fork(): main's locks are main's, not this child's to keep alive.
-    for fd in _held_lock_fds:
+def held_for_pool(fd: int) -> None:
+    """Record a descriptor main keeps for a pool (an owner lock, a memfd segment not yet
+    mapped by every worker), so that a child of os.fork() closes its copy at once."""
+    _held_fds.add(fd)
+
+
+def release_held(fd: int) -> None:
+    """Close a descriptor recorded with held_for_pool (an owner lock goes with it)."""
+    _held_fds.discard(fd)
+    os.close(fd)
+
+
+def _close_inherited() -> None:
+    # In a child of os.fork(): main's locks are main's, not this child's to keep alive,
+    # and segments it holds for its workers must not live on in this child.
+    for fd in _held_fds:
         try:
             os.close(fd)
         except OSError:
             pass
-    _held_lock_fds.clear()
+    _held_fds.clear()
 
 
-os.register_at_fork(after_in_child=_close_inherited_locks)
+os.register_at_fork(after_in_child=_close_inherited)
 
 
 class _NameLost(Exception):
@@ -168,8 +181,15 @@ class OwnerProbe:
         else:
             self._fd = shm.fd
 
+    @classmethod
+    def from_fd(cls, fd: int) -> OwnerProbe:
+        """A probe over a descriptor of the control segment that the caller hands over."""
+        probe = cls.__new__(cls)
+        probe._fd = fd
+        return probe
+
     def is_alive(self) -> bool:
-        return self._fd is not None and _owner_lock_held(self._fd)
+        return self._fd is not None and owner_lock_held(self._fd)
 
 
 def pool_names(prefix: str) -> list[str]:
@@ -207,7 +227,7 @@ def _sweep_pool(prefix: str) -> list[str]:
     except posix_ipc.PermissionsError:
         return []  # another user's pool: not ours to judge
     try:
-        if not _take_owner_lock(shm.fd):
+        if not take_owner_lock(shm.fd):
             return []  # its owner lives (or another sweeper is at it)
         removed = []
         for name in pool_names(prefix):  # listed again under the lock: all of them
@@ -258,7 +278,7 @@ def _create(name: str, nbytes: int, what: str, pool_bytes: int, limit: int | Non
     try:
         # A sweeper may have opened the name before we locked it: then it holds the
         # lock (we fail to take it) or has already unlinked the name.
-        if claim and not (_take_owner_lock(shm.fd) and _same_file(SHM_DIR + name, shm.fd)):
+        if claim and not (take_owner_lock(shm.fd) and _same_file(SHM_DIR + name, shm.fd)):
             raise _NameLost(name)
         try:
             os.posix_fallocate(shm.fd, 0, nbytes)
@@ -327,7 +347,7 @@ def claim_control(owner_pid: int, nbytes: int, limit: int | None) -> tuple[str, 
         except _NameLost:
             continue
         assert fd is not None
-        _held_lock_fds.add(fd)
+        held_for_pool(fd)
         return prefix, mapping, fd
     raise RuntimeError(f"internal error: {_CLAIM_TRIES} new control segments in a row were "
                        "unlinked by other processes before this one could lock them")
@@ -335,5 +355,98 @@ def claim_control(owner_pid: int, nbytes: int, limit: int | None) -> tuple[str, 
 
 def release_owner_lock(fd: int) -> None:
     """Close a pool's locked descriptor: its owner lock goes with it."""
-    _held_lock_fds.discard(fd)
-    os.close(fd)
+    release_held(fd)
+
+
+# -- the backend objects SlotPool and WorkerSlots use ---------------------------------
+
+class PosixSegments:
+    """Main side of the POSIX backend: named segments in /dev/shm (module docstring).
+
+    The pool's names are the prefix's; a slot segment's name is released (unlinked)
+    once every worker has mapped it, the control name (owner lock) at close()."""
+
+    kind = "posix"
+
+    def __init__(self, owner_pid: int):
+        self.owner_pid = owner_pid
+        self.prefix = ""  # set by claim_control
+        self._control_name = ""
+        self._lock_fd: int | None = None
+        self._names: set[str] = set()  # every name not yet unlinked
+
+    def check_space(self, nbytes: int, what: str) -> None:
+        free = shm_free_bytes()
+        if nbytes > free:
+            raise space_error(nbytes, free, what)
+
+    def claim_control(self, nbytes: int) -> Mapping:
+        sweep_stale()
+        self.prefix, mapping, self._lock_fd = claim_control(self.owner_pid, nbytes, None)
+        self._control_name = control_name(self.prefix)
+        self._names.add(self._control_name)
+        return mapping
+
+    @property
+    def locator(self) -> tuple:
+        """What a worker needs to attach (picklable)."""
+        return (self.kind, self.prefix)
+
+    def create(self, slot: int, generation: int, nbytes: int, what: str):
+        """(mapping, handle a, handle b, release key) of a new slot segment."""
+        name = slot_name(self.prefix, slot, generation)
+        mapping = create_segment(name, nbytes, what, 0, None)
+        self._names.add(name)
+        return mapping, 0, 0, name
+
+    def release(self, name: str) -> None:
+        """Every worker has mapped it, or nobody needs it any more: unlink the name."""
+        if name in self._names:
+            self._names.discard(name)
+            unlink_quietly(name)
+
+    @property
+    def live_handles(self) -> set[str]:
+        return set(self._names)
+
+    def close(self) -> None:
+        # slot names first, the control name last: a sweeper that finds slot names
+        # without their control segment leaves them alone
+        for name in sorted(self._names, key=lambda name: name == self._control_name):
+            unlink_quietly(name)
+        self._names.clear()
+        if self._lock_fd is not None:
+            release_owner_lock(self._lock_fd)  # the names are gone already
+            self._lock_fd = None
+
+
+class PosixAttachment:
+    """Worker side of the POSIX backend: the control segment mapped by name, and the
+    descriptor that answers whether main's owner lock is still held."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+        shm = posix_ipc.SharedMemory(control_name(prefix))
+        try:
+            self.control_mapping = Mapping(shm.fd, shm.size)
+        except BaseException:
+            shm.close_fd()
+            raise
+        self._probe = OwnerProbe.from_fd(shm.fd)
+
+    def owner_alive(self) -> bool:
+        return self._probe.is_alive()
+
+    def open_slot(self, slot: int, generation: int, size: int, a: int, b: int) -> Mapping | None:
+        """Map that generation of a slot; None if main replaced it meanwhile."""
+        try:
+            return open_segment(slot_name(self.prefix, slot, generation))
+        except posix_ipc.ExistentialError:
+            return None
+
+    def orphaned(self) -> None:
+        """Main died: remove every name it owned, control block last. Found by listing
+        /dev/shm for the prefix, not from the slot table, which any process of the pool
+        could have overwritten."""
+        for name in pool_names(self.prefix):
+            unlink_quietly(name)

@@ -29,6 +29,9 @@ class LoaderStats:
     cooling_waits    times next() had to wait for a cooling slot (the pool was at
                      max_slots); cooling_wait_s: seconds spent so. High: raise max_slots
     slot_count, slot_bytes, pool_bytes: the current pool (0 when none exists)
+    detached_bytes   shared memory of batches detached from the pool that the consumer
+                     still holds (theirs, like a DataLoader batch; not the pool's own):
+                     freed as those batches are dropped
     peak_slot_count, peak_pool_bytes: the largest pool any iterator had (pools only
                      grow while they live), still there after the pool is gone
 
@@ -51,9 +54,11 @@ class LoaderStats:
         self._closed_workers = [0, 0, 0]  # worker columns of pools already closed
         self._closed_peak = (0, 0)  # (slots, bytes) of the largest pool already closed
         self._pool = None
+        self._ledger = None
 
-    def _attach(self, pool) -> None:
+    def _attach(self, pool, ledger=None) -> None:
         self._pool = pool
+        self._ledger = ledger
 
     def _detach(self, pool) -> None:
         """Called by the iterator before it closes `pool`."""
@@ -65,6 +70,7 @@ class LoaderStats:
                              max(self._closed_peak[1], pool.total_bytes))
         if self._pool is pool:
             self._pool = None
+            self._ledger = None
 
     def _live_pool(self):
         pool = self._pool
@@ -103,6 +109,11 @@ class LoaderStats:
         return 0 if pool is None else pool.total_bytes
 
     @property
+    def detached_bytes(self) -> int:
+        ledger = self._ledger
+        return 0 if ledger is None else ledger.detached_bytes()
+
+    @property
     def peak_slot_count(self) -> int:
         return max(self._closed_peak[0], self.slot_count)
 
@@ -121,7 +132,7 @@ class LoaderStats:
             "cooling_growths": self.cooling_growths, "cooling_waits": self.cooling_waits,
             "cooling_wait_s": round(self.cooling_wait_s, 6),
             "slot_count": self.slot_count, "slot_bytes": self.slot_bytes,
-            "pool_bytes": self.pool_bytes,
+            "pool_bytes": self.pool_bytes, "detached_bytes": self.detached_bytes,
             "peak_slot_count": self.peak_slot_count, "peak_pool_bytes": self.peak_pool_bytes,
         }
 

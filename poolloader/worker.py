@@ -28,9 +28,6 @@ from poolloader.errors import RingClosed, RingTimeout
 from poolloader.pool import WorkerSlots
 
 # How often an idle worker checks that its parent is alive (seconds).
-from poolloader.segments import OwnerProbe
-
-# How often an idle worker checks that its parent is alive (seconds).
 WORKER_TICK = 0.25
 
 
@@ -45,22 +42,32 @@ class WorkerConfig:
     init_fn: Any
     worker_id: int
     num_workers: int
-    prefix: str  # the pool's names; its control segment also tells whether main lives
+    pool: tuple  # SlotPool.locator: how to attach; its control segment tells whether main lives
     resume: dict | None = None  # resume.ResumePlan.worker(): where to continue from
 
 
-def _parent_alive(owner: OwnerProbe) -> bool:
+def _parent_alive(slots: WorkerSlots) -> bool:
     """Whether main (the pool's owner) still lives: its owner lock on the control
-    segment is still held (poolloader.pool). Neither the worker's parent (under
+    segment is still held (poolloader.segments). Neither the worker's parent (under
     forkserver, the forkserver) nor main's pid (reusable, namespace-relative) is
     consulted, so this is exact under fork, spawn and forkserver; one fcntl."""
-    return owner.is_alive()
+    return slots.owner_alive()
+
+
+def _sync(slots: WorkerSlots, writer: codec.SlotWriter, slot: int | None = None):
+    """Map what main changed in the pool and drop every view of a segment that left it
+    (DESIGN.md: only live memory stays mapped); with `slot`, return its mapping."""
+    slots.sync()
+    mapping = None if slot is None else slots.mapping(slot)
+    if slots.dropped:
+        slots.dropped = False
+        writer.forget_stale(slots.current())
+    return mapping
 
 
 def worker_loop(cfg: WorkerConfig) -> None:
     from torch.utils.data import _DatasetKind
 
-    owner = OwnerProbe(cfg.prefix)
     slots = None
     try:
         signal_handling._set_worker_signal_handlers()
@@ -77,7 +84,7 @@ def worker_loop(cfg: WorkerConfig) -> None:
         torch_worker._worker_info = WorkerInfo(
             id=cfg.worker_id, num_workers=cfg.num_workers, seed=seed, dataset=cfg.dataset)
 
-        slots = WorkerSlots(cfg.prefix, cfg.worker_id)
+        slots = WorkerSlots(cfg.pool, cfg.worker_id)
         control = slots.control
         request_ring = control.request_rings[cfg.worker_id]
         done_ring = control.done_rings[cfg.worker_id]
@@ -115,17 +122,16 @@ def worker_loop(cfg: WorkerConfig) -> None:
             try:
                 slot = request_ring.pop(timeout=WORKER_TICK)
             except RingTimeout:
-                if not _parent_alive(owner):
+                if not _parent_alive(slots):
                     slots.unlink_all()
                     return
-                slots.sync()
+                _sync(slots, writer)
                 continue
             except RingClosed:
                 return
             busy_since = time.perf_counter_ns()
             my_stats[2] += busy_since - idle_since
-            slots.sync()
-            mapping = slots.mapping(slot)
+            mapping = _sync(slots, writer, slot)
             header = fmt.header_view(mapping)
             fresh = slot in pending  # a payload waiting for this (now bigger) slot
             if fresh:
@@ -189,7 +195,7 @@ def worker_loop(cfg: WorkerConfig) -> None:
     except RingClosed:
         pass
     finally:
-        if slots is not None and not _parent_alive(owner):
+        if slots is not None and not _parent_alive(slots):
             slots.unlink_all()
 
 

@@ -127,3 +127,53 @@ def shm_holders(names) -> dict[str, set[int]]:
             if path in by_path:
                 holders[by_path[path]].add(pid)
     return holders
+
+
+MEMFD_TAG = "/memfd:poolloader"  # how /proc shows the memfd backend's segments
+
+
+def memfd_segments(pid="self") -> dict[int, int]:
+    """{inode: bytes} of the poolloader memfd segments `pid` maps (each mapped whole,
+    so the largest mapping of an inode is its size); {} once gone."""
+    out: dict[int, int] = {}
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                if len(fields) > 5 and fields[5].startswith(MEMFD_TAG):
+                    lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                    inode = int(fields[4])
+                    out[inode] = max(out.get(inode, 0), hi - lo)
+    except OSError:
+        pass
+    return out
+
+
+def memfd_holders(inodes) -> dict[int, set[int]]:
+    """{inode: pids that map it or hold a descriptor of it}, over every process."""
+    inodes = set(inodes)
+    held: dict[int, set[int]] = {inode: set() for inode in inodes}
+    for pid in pids():
+        for inode in memfd_segments(pid):
+            if inode in held:
+                held[inode].add(pid)
+        try:
+            entries = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in entries:
+            try:
+                if not os.readlink(f"/proc/{pid}/fd/{fd}").startswith(MEMFD_TAG):
+                    continue
+                inode = os.stat(f"/proc/{pid}/fd/{fd}").st_ino
+            except OSError:
+                continue
+            if inode in held:
+                held[inode].add(pid)
+    return held
+
+
+def shmem_bytes() -> int:
+    """The machine's shmem in use (/proc/meminfo Shmem): /dev/shm files and memfds."""
+    with open("/proc/meminfo") as f:
+        return int(next(line for line in f if line.startswith("Shmem:")).split()[1]) * 1024

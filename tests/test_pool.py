@@ -1,10 +1,11 @@
 """pool.py on its own: segments, names, generations, detach, acks, space checks —
 main's SlotPool and a worker's WorkerSlots over the same real shared memory, in one
-process (the protocol does not care which process maps)."""
+process (the protocol does not care which process maps), for both backends."""
 from __future__ import annotations
 
 import gc
 import os
+import weakref
 
 import pytest
 
@@ -13,13 +14,19 @@ from poolloader.pool import SlotPool, WorkerSlots
 from poolloader.segments import PAGE, page_round
 
 
-def exists(name: str) -> bool:
-    return os.path.exists("/dev/shm" + name)
+def exists(handle) -> bool:
+    """A POSIX name is in /dev/shm, or a memfd descriptor is open in this process."""
+    if isinstance(handle, int):
+        try:
+            return os.readlink(f"/proc/self/fd/{handle}").startswith("/memfd:poolloader")
+        except OSError:
+            return False
+    return os.path.exists("/dev/shm" + handle)
 
 
-@pytest.fixture
-def pool():
-    p = SlotPool(num_workers=1, slots=2, max_slots=3, slot_bytes=100_000)
+@pytest.fixture(params=["memfd", "posix"])
+def pool(request):
+    p = SlotPool(num_workers=1, slots=2, max_slots=3, slot_bytes=100_000, backend=request.param)
     try:
         yield p
     finally:
@@ -27,38 +34,66 @@ def pool():
         p.close()
 
 
-def test_slots_are_page_rounded_and_named_until_every_worker_maps_them(pool):
+def test_slots_are_page_rounded_and_findable_until_every_worker_maps_them(pool):
     assert [m.size for m in pool.mappings] == [page_round(100_000)] * 2
     assert pool.total_bytes == 2 * page_round(100_000) and page_round(1) == PAGE
     names = pool.live_names
-    assert len(names) == 3 and all(exists(n) for n in names)
+    # POSIX: two slot names and the control name; memfd: the two slots' descriptors
+    assert len(names) == (3 if pool.backend == "posix" else 2) and all(exists(n) for n in names)
     assert pool.unlink_mapped() == 2  # no worker has acknowledged anything yet
-    worker = WorkerSlots(pool.prefix, 0)  # maps the control block and both slots, acks them
+    worker = WorkerSlots(pool.locator, 0)  # maps the control block and both slots, acks them
     assert pool.unlink_mapped() == 0
     # the slot names go; the control block's stays for the pool's life (the owner lock)
-    assert pool.live_names == {n for n in names if n.endswith("-ctl")}
-    assert [exists(n) for n in sorted(names)] == [n.endswith("-ctl") for n in sorted(names)]
+    kept = {n for n in names if isinstance(n, str) and n.endswith("-ctl")}
+    assert pool.live_names == kept
+    assert [exists(n) for n in sorted(names)] == [n in kept for n in sorted(names)]
     # the worker's mappings are the same memory as main's
     memoryview(pool.mappings[1])[100:104] = b"abcd"
     assert bytes(memoryview(worker.mapping(1))[100:104]) == b"abcd"
 
 
-def test_replace_gives_a_new_generation_the_worker_follows(pool):
-    worker = WorkerSlots(pool.prefix, 0)
+def test_memfd_pool_names_nothing_in_dev_shm():
+    before = set(os.listdir("/dev/shm"))
+    pool = SlotPool(num_workers=1, slots=2, max_slots=3, slot_bytes=100_000, backend="memfd")
+    try:
+        worker = WorkerSlots(pool.locator, 0)
+        pool.replace(0, 300_000)
+        worker.sync()
+        assert set(os.listdir("/dev/shm")) == before and pool.prefix is None
+        assert worker.owner_alive()
+    finally:
+        pool.close()
+    assert not worker.owner_alive()  # main's descriptor, and its lock, are gone
+
+
+def test_replace_gives_a_new_generation_the_worker_follows_and_drops_the_old(pool):
+    worker = WorkerSlots(pool.locator, 0)
     pool.unlink_mapped()
     old = pool.mappings[0]
+    worker_old = weakref.ref(worker.mapping(0))
     pool.replace(0, 300_000)
     assert pool.mappings[0] is not old and pool.size(0) == page_round(300_000)
     assert pool.target_bytes == page_round(300_000) and pool.needs_resize(1)
     assert old.closed  # nothing viewed it: unmapped at once
     memoryview(pool.mappings[0])[0:2] = b"hi"
     assert bytes(memoryview(worker.mapping(0))[0:2]) == b"hi"
+    assert worker.dropped and worker_old() is None  # the worker unmapped the old segment
     pool.unlink_mapped()
-    assert all(n.endswith("-ctl") for n in pool.live_names)
+    assert all(isinstance(n, str) and n.endswith("-ctl") for n in pool.live_names)
+
+
+def test_a_handle_main_replaced_meanwhile_is_retried_not_mapped_wrong(pool):
+    worker = WorkerSlots(pool.locator, 0)
+    pool.unlink_mapped()
+    row = [int(v) for v in pool.control.slot_table[1]]  # what a slow worker read
+    pool.replace(1, 200_000)  # releases the old segment's name or descriptor
+    assert worker.attachment.open_slot(1, *row[:2], *row[2:]) is None
+    assert bytes(memoryview(worker.mapping(1))[0:1]) == b"\0"
+    assert worker.mapping(1).size == pool.size(1)
 
 
 def test_detach_leaves_the_mapping_to_its_holder_and_refill_restores_the_slot(pool):
-    worker = WorkerSlots(pool.prefix, 0)
+    worker = WorkerSlots(pool.locator, 0)
     pool.unlink_mapped()
     memoryview(pool.mappings[1])[0:3] = b"old"
     held = pool.detach(1)
