@@ -129,8 +129,9 @@ PACKER = "poolloader.detection.pack_targets"
 
 
 class Arm:
-    def __init__(self, key, label, loader_cls, strategy):
+    def __init__(self, key, label, loader_cls, strategy, options=None):
         self.key, self.label, self.loader_cls, self.strategy = key, label, loader_cls, strategy
+        self.options = options or {}  # extra PoolLoader keywords
 
     @property
     def pool(self) -> bool:
@@ -140,10 +141,12 @@ class Arm:
 ARMS = [
     Arm("dl_fd", "DataLoader file_descriptor", DataLoader, "file_descriptor"),
     Arm("dl_fs", "DataLoader file_system", DataLoader, "file_system"),
-    Arm("pool", "PoolLoader", PoolLoader, None),
+    Arm("pool", "PoolLoader", PoolLoader, None),  # its default backend: memfd
+    Arm("pool_posix", "PoolLoader posix", PoolLoader, None, {"shm_backend": "posix"}),
 ]
 ARM_BY_KEY = {a.key: a for a in ARMS}
 DL_ARMS = [a for a in ARMS if not a.pool]
+STAGE_ARMS = [ARM_BY_KEY[k] for k in ("dl_fd", "dl_fs", "pool")]
 
 
 # ---------------------------------------------------------------------------
@@ -250,7 +253,7 @@ def make_loader(arm: Arm, row: str, workers: int, dataset, cfg, batches: int):
     kwargs = dict(batch_size=BATCH, num_workers=workers,
                   collate_fn=common.RFDETRCollate(row, arm.pool), sampler=range(batches * BATCH),
                   pin_memory=False, drop_last=True, prefetch_factor=cfg.prefetch,
-                  timeout=cfg.timeout)
+                  timeout=cfg.timeout, **arm.options)
     return arm.loader_cls(dataset, **kwargs)
 
 
@@ -406,6 +409,9 @@ def summarise(raw: common.Raw) -> dict:
             s["not_ready"] = sum(raw.series(cell, k, "not_ready"))
             s["not_freed"] = sum(raw.series(cell, k, "not_freed_by_del"))
             s["slot_growths_timed"] = sum(raw.series(cell, k, "slot_growths_timed"))
+            if k == "pool_posix":  # the two backends, side by side
+                s["x_backend"] = common.ratio(raw, cell, k, "pool", "sum_ms")
+                s["x_backend_warm"] = common.ratio(raw, cell, k, "pool", "warm_sum_ms")
             if not arm.pool:
                 s["x_sum"] = common.ratio(raw, cell, k, "pool", "sum_ms")
                 s["x_warm"] = common.ratio(raw, cell, k, "pool", "warm_sum_ms")
@@ -425,7 +431,8 @@ def med(s: common.Summary | None):
 def markdown(summary, workers_list, rows, header) -> str:
     lines = list(header)
     rows = [(r, ROW_LABEL[r]) for r in rows]
-    short = {"dl_fd": "DataLoader fd", "dl_fs": "DataLoader fs", "pool": "PoolLoader"}
+    short = {"dl_fd": "DataLoader fd", "dl_fs": "DataLoader fs", "pool": "PoolLoader",
+             "pool_posix": "PoolLoader posix"}
     for w in workers_list:
         lines += ["", f"### {w} workers — main-process cost per batch, median [min–max] over reps", "",
                   "| what crosses | loader | tensors | next ms | drop ms | next+drop ms "
@@ -459,7 +466,7 @@ def markdown(summary, workers_list, rows, header) -> str:
         for row, label in rows:
             cols = []
             tensors = summary[(w, row, "pool")]["tensors"] or summary[(w, row, "dl_fd")]["tensors"]
-            for arm in ARMS:
+            for arm in STAGE_ARMS:
                 cur = med(summary[(w, row, arm.key)]["sum_ms"])
                 if cur is None:
                     cols += ["FAILED", "—"]
@@ -475,6 +482,14 @@ def markdown(summary, workers_list, rows, header) -> str:
                     ratios.append(f"{common.fmt_num(x)}×" if x is not None else "—")
             lines.append(f"| {label} | {','.join(map(str, tensors))} | " + " | ".join(cols)
                          + " | " + " | ".join(ratios) + " |")
+        # the shared-memory backends: memfd (the default) against POSIX /dev/shm
+        lines += ["", f"### {w} workers — shared-memory backends (next+drop ms, median [min–max])", "",
+                  "| what crosses | memfd (default) | posix | posix ÷ memfd | posix ÷ memfd (warm) |",
+                  "|---|---:|---:|---:|---:|"]
+        for row, label in rows:
+            memfd_s, posix_s = summary[(w, row, "pool")], summary[(w, row, "pool_posix")]
+            lines.append(f"| {label} | {fmt(memfd_s['sum_ms'])} | {fmt(posix_s['sum_ms'])} | "
+                         f"{fmt(posix_s['x_backend'], '×')} | {fmt(posix_s['x_backend_warm'], '×')} |")
     notes = []
     for (w, row, arm), s in summary.items():
         if s["not_ready"]:

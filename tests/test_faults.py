@@ -10,6 +10,7 @@ import textwrap
 import time
 
 import loader_datasets as ds
+import proc
 import pytest
 import torch
 from helpers import pid_running
@@ -20,14 +21,15 @@ from poolloader import PoolLoader, ShmSpaceError
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def test_sigkill_of_main_workers_exit_and_unlink():
+@pytest.mark.parametrize("backend", ["memfd", "posix"])
+def test_sigkill_of_main_workers_exit_and_unlink(backend):
     code = textwrap.dedent(f"""
         import sys, os, time
         sys.path.insert(0, {HERE!r})
         import loader_datasets as ds
         from poolloader import PoolLoader
         loader = PoolLoader(ds.PidDataset(n=10000, delay=0.01), batch_size=2, num_workers=2,
-                            slot_bytes=1 << 16)
+                            slot_bytes=1 << 16, shm_backend={backend!r})
         it = iter(loader)
         next(it)
         print(it.shm_prefix, *it.worker_pids, flush=True)
@@ -38,6 +40,9 @@ def test_sigkill_of_main_workers_exit_and_unlink():
         line = child.stdout.readline().split()
         assert line, "child produced no output"
         prefix, pids = line[0], [int(p) for p in line[1:]]
+        assert (prefix == "None") == (backend == "memfd")  # memfd names nothing
+        segments = {inode for pid in [child.pid, *pids] for inode in proc.memfd_segments(pid)}
+        assert bool(segments) == (backend == "memfd")
         os.kill(child.pid, signal.SIGKILL)
         child.wait(timeout=10)
         deadline = time.monotonic() + 5.0
@@ -50,6 +55,8 @@ def test_sigkill_of_main_workers_exit_and_unlink():
         names, alive = leftovers()
         assert not names, f"names left after main was killed: {names}"
         assert not alive, f"workers still alive 5 s after main was killed: {alive}"
+        # memfd: with main and its workers gone, no process holds the segments (freed)
+        assert not any(proc.memfd_holders(segments).values())
     finally:
         if child.poll() is None:
             child.kill()
@@ -82,7 +89,7 @@ def test_segments_are_private_and_exclusive():
 
     from poolloader.pool import SlotPool
     from poolloader.segments import create_segment
-    pool = SlotPool(num_workers=1, slots=2, max_slots=2, slot_bytes=1 << 16)
+    pool = SlotPool(num_workers=1, slots=2, max_slots=2, slot_bytes=1 << 16, backend="posix")
     try:
         names = sorted(pool.live_names)
         assert len(names) == 3  # the control block and two slots, none acknowledged yet
@@ -101,7 +108,7 @@ def test_two_loaders_interleaved_do_not_interfere():
     a = PoolLoader(ds.AugmentDataset(n=30), batch_size=3, num_workers=2)
     b = PoolLoader(ds.SeedInfoDataset(), batch_size=2, num_workers=2)
     ia, ib = iter(a), iter(b)
-    assert ia.shm_prefix != ib.shm_prefix
+    assert ia._pool.locator != ib._pool.locator
     got_a, got_b = [], []
     for _ in range(8):
         got_a.append(next(ia)["index"].tolist())

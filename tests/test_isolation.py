@@ -6,6 +6,10 @@ namespace (`unshare --pid --fork --mount-proc`, root or CAP_SYS_ADMIN) is skippe
 with the reason where that is not permitted; what could crash (a ring with corrupt
 fields) or must outlive a SIGKILL runs in a child interpreter
 (`_isolation_children.py`) under a timeout.
+
+Names and their owner lock are the POSIX backend's, so every pool here, in this
+process and in the children (which inherit the environment), is a POSIX one
+(POOLLOADER_SHM_BACKEND=posix). The memfd backend names nothing: tests/test_container.py.
 """
 from __future__ import annotations
 
@@ -34,6 +38,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CHILDREN = os.path.join(HERE, "_isolation_children.py")
 SHM = "/dev/shm"
 START_METHODS = ["fork", "spawn", "forkserver"]
+
+
+@pytest.fixture(autouse=True)
+def posix_backend(monkeypatch):
+    monkeypatch.setenv("POOLLOADER_SHM_BACKEND", "posix")
 
 
 def names_with(prefix: str) -> list[str]:
