@@ -572,13 +572,14 @@ def rss_bytes(pid: int | str = "self") -> int:
 
 
 def shm_mapped_bytes(pid: int | str = "self") -> int:
-    """Bytes of /dev/shm objects that `pid` maps (unlinked ones included), each
-    (object, offset, length) counted once: the shared memory it keeps alive."""
+    """Bytes of shared memory objects that `pid` maps: /dev/shm files (unlinked ones
+    included) and memfd segments (poolloader's default backend), each (object, offset,
+    length) counted once: the shared memory it keeps alive."""
     seen = set()
     with open(f"/proc/{pid}/maps") as f:
         for line in f:
             parts = line.split(maxsplit=5)
-            if len(parts) < 6 or not parts[5].startswith(SHM_DIR + "/"):
+            if len(parts) < 6 or not parts[5].startswith((SHM_DIR + "/", "/memfd:")):
                 continue
             start, end = (int(x, 16) for x in parts[0].split("-"))
             seen.add((parts[3], parts[4], int(parts[2], 16), end - start))

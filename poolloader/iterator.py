@@ -21,7 +21,7 @@ import torch
 from torch._utils import ExceptionWrapper
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _MultiProcessingDataLoaderIter
 
-from poolloader import codec, cuda, supervise
+from poolloader import codec, cuda, startup, supervise
 from poolloader import slot_format as fmt
 from poolloader.cuda_runtime import TorchCuda
 from poolloader.errors import ControlCorrupt, SlotCorrupt, WorkerDied
@@ -41,6 +41,8 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
     def __init__(self, loader) -> None:
         _BaseDataLoaderIter.__init__(self, loader)
         self._shutdown = True  # until workers exist there is nothing to shut down
+        self._shared_start: startup.SharedStart | None = None
+        self._unheard: set[int] = set()  # workers that may not have loaded _shared_start yet
         self._fatal: str | None = None
         self._owner_pid = os.getpid()
         self._workers: list = []
@@ -73,13 +75,25 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
             self._request_rings = self._pool.control.request_rings
             self._replies = supervise.Replies(self._pool.control, self._workers, self._timeout,
                                               self._stats, on_tick=self._pool.unlink_mapped)
+            # spawn / forkserver: the dataset, init_fn and collate_fn are pickled once
+            # into shared memory, not once per worker (poolloader.startup)
+            shared = None
+            if n and startup.shares(ctx):
+                with supervise.pickling_workers():
+                    shared = startup.SharedStart((self._dataset, loader.worker_init_fn,
+                                                  self._collate_fn))
+            self._shared_start = shared
+            self._unheard = set(range(n)) if shared is not None else set()
             for i in range(n):
                 cfg = WorkerConfig(
-                    dataset_kind=self._dataset_kind, dataset=self._dataset,
-                    auto_collation=self._auto_collation, collate_fn=self._collate_fn,
+                    dataset_kind=self._dataset_kind,
+                    dataset=None if shared else self._dataset,
+                    auto_collation=self._auto_collation,
+                    collate_fn=None if shared else self._collate_fn,
                     drop_last=self._drop_last, base_seed=int(self._base_seed),
-                    init_fn=loader.worker_init_fn, worker_id=i, num_workers=n,
-                    pool=self._pool.locator, resume=self._resume.worker_plan(i))
+                    init_fn=None if shared else loader.worker_init_fn, worker_id=i, num_workers=n,
+                    pool=self._pool.locator, resume=self._resume.worker_plan(i),
+                    shared=shared.ticket if shared else None)
                 self._workers.append(supervise.start_worker(ctx, worker_loop, (cfg,)))
             supervise.track(self)
             self._stats._attach(self._pool, self._ledger)
@@ -243,6 +257,8 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         except (ControlCorrupt, WorkerDied) as e:
             self._fail(e)
             raise
+        if self._unheard:
+            self._heard(worker)
         expected = self._ledger.inflight.get(slot)
         if expected is None or expected[1] != worker:
             error = SlotCorrupt(f"worker {worker} returned slot {slot}, which main did not give it")
@@ -250,6 +266,14 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
             raise error
         self._pool.unlink_mapped()
         return slot, worker
+
+    def _heard(self, worker: int) -> None:
+        """A worker replied, so it loaded its start arguments: once all have, main's
+        copy of them is released (poolloader.startup)."""
+        self._unheard.discard(worker)
+        if not self._unheard and self._shared_start is not None:
+            self._shared_start.close()
+            self._shared_start = None
 
     # -- delivery -------------------------------------------------------------------
     def _next_data(self):
@@ -370,6 +394,9 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                 ring.close()
         finally:
             supervise.stop(self._workers)
+            if self._shared_start is not None:
+                self._shared_start.close()
+                self._shared_start = None
             self._request_rings = []
             if self._replies is not None:
                 self._replies.close()

@@ -136,9 +136,19 @@ def check_space(nbytes: int, what: str) -> None:
 
 # -- main side ---------------------------------------------------------------------------
 
+_supported: dict[int, str | None] = {}  # pid -> supported()'s answer
+
+
 def supported() -> str | None:
     """None if this process can make memfd segments that its workers can open;
-    else why not (the pool then needs backend="posix")."""
+    else why not (the pool then needs backend="posix"). Asked once per process."""
+    pid = os.getpid()
+    if pid not in _supported:
+        _supported[pid] = _probe()
+    return _supported[pid]
+
+
+def _probe() -> str | None:
     if not hasattr(os, "memfd_create"):
         return "os.memfd_create is not available (Linux 3.17+, Python 3.8+)"
     try:

@@ -23,6 +23,7 @@ it attached (see control.py).
 from __future__ import annotations
 
 import os
+import resource
 import warnings
 
 import numpy as np
@@ -51,17 +52,33 @@ from poolloader.segments import (
 
 BACKEND_ENV = "POOLLOADER_SHM_BACKEND"
 BACKENDS = ("memfd", "posix")
+FD_MARGIN = 16  # descriptors left to the user and to torch when the memfd backend is chosen
 _warned_fallback = False
 
 
-def choose_backend(requested: str | None) -> str:
+def _descriptor_headroom() -> int:
+    """Descriptors this process may still open (RLIMIT_NOFILE's soft limit less those open)."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        return 1 << 30
+    try:
+        used = len(os.listdir("/proc/self/fd")) - 1
+    except OSError:
+        return soft
+    return soft - used
+
+
+def choose_backend(requested: str | None, max_slots: int = 0) -> str:
     """The backend a new pool uses: `requested`, else $POOLLOADER_SHM_BACKEND, else
     "memfd" where this process can use it (else "posix", with one warning saying why).
 
     memfd is the default everywhere it works: it needs no /dev/shm space (Docker's
     default is 64 MiB), names nothing, so a crash leaves nothing, and it is the same
     shmem memory as /dev/shm (same speed, registrable with CUDA). Choosing by free
-    space would make the same job name segments on one host and not on another."""
+    space would make the same job name segments on one host and not on another.
+    It can need up to one descriptor per slot for a moment (a new segment's, until
+    every worker has mapped it: all of them when the pool is made), so where
+    RLIMIT_NOFILE leaves fewer than `max_slots` + FD_MARGIN, a pool is POSIX."""
     global _warned_fallback
     kind = requested or os.environ.get(BACKEND_ENV) or None
     if kind is not None and kind not in BACKENDS:
@@ -71,13 +88,18 @@ def choose_backend(requested: str | None) -> str:
         return kind
     why_not = memfd.supported()
     if why_not is None:
+        headroom = _descriptor_headroom()
+        if headroom < max_slots + FD_MARGIN:
+            why_not = (f"a pool of {max_slots} slots may hold {max_slots + 1} descriptors while "
+                       f"its workers attach, and RLIMIT_NOFILE leaves {headroom} (raise ulimit -n)")
+    if why_not is None:
         return "memfd"
     if kind == "memfd":
         raise OSError(f"shm_backend='memfd' cannot be used here: {why_not}; use shm_backend='posix'")
     if not _warned_fallback:
         _warned_fallback = True
-        warnings.warn(f"PoolLoader: anonymous shared memory cannot be used here ({why_not}); "
-                      "using named segments in /dev/shm (shm_backend='posix')", stacklevel=3)
+        warnings.warn("PoolLoader: this pool uses named segments in /dev/shm "
+                      f"(shm_backend='posix'): {why_not}", stacklevel=3)
     return "posix"
 
 
@@ -106,7 +128,7 @@ class SlotPool:
         self.max_slots = max_slots
         self.target_bytes = page_round(slot_bytes)
         self._owner_pid = os.getpid()
-        kind = choose_backend(backend)
+        kind = choose_backend(backend, max_slots)
         self.segments = (memfd.MemfdSegments if kind == "memfd" else PosixSegments)(self._owner_pid)
         self._on_map = on_map
         self._on_unmap = on_unmap

@@ -10,6 +10,7 @@ that calls them. Forkserver children keep theirs: their exit code arrives throug
 from __future__ import annotations
 
 import atexit
+import contextlib
 import signal
 import threading
 import time
@@ -69,21 +70,28 @@ def _poll_wait(popen, timeout=None):
         pause = min(pause * 2, 0.02)
 
 
-def start_worker(ctx, target, args):
-    """Start one daemon worker process and drop its parent-side pipe ends."""
-    process = ctx.Process(target=target, args=args, daemon=True)
+@contextlib.contextmanager
+def pickling_workers():
+    """Around pickling a worker's arguments (spawn/forkserver): a pickling error gets the
+    warning DataLoader gives, word for word, before it is re-raised."""
     try:
-        process.start()
+        yield
     except (TypeError, AttributeError, PicklingError):
-        # what DataLoader says, word for word, before it re-raises (spawn/forkserver)
         warnings.warn(
             "Got pickle error when attempting to start a worker Process. "
             "This might be because the worker Process arguments are not picklable. "
             "Python 3.14+ changed the multiprocessing start method in non-Mac POSIX platforms "
             "to 'forkserver', which requires the worker Process arguments to be picklable. "
             "You can also try multiprocessing.set_start_method('fork').",
-            stacklevel=4)
+            stacklevel=5)
         raise
+
+
+def start_worker(ctx, target, args):
+    """Start one daemon worker process and drop its parent-side pipe ends."""
+    process = ctx.Process(target=target, args=args, daemon=True)
+    with pickling_workers():
+        process.start()
     popen = process._popen
     if type(popen).__module__ in _WAITPID_POPENS and getattr(popen, "finalizer", None):
         popen.finalizer()

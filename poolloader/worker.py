@@ -21,7 +21,7 @@ from torch.utils.data._utils import worker as torch_worker
 from torch.utils.data._utils.collate import default_collate
 from torch.utils.data._utils.worker import WorkerInfo, _generate_state
 
-from poolloader import codec, resume
+from poolloader import codec, resume, startup
 from poolloader import collate as slot_collate_mod
 from poolloader import slot_format as fmt
 from poolloader.errors import RingClosed, RingTimeout
@@ -44,6 +44,9 @@ class WorkerConfig:
     num_workers: int
     pool: tuple  # SlotPool.locator: how to attach; its control segment tells whether main lives
     resume: dict | None = None  # resume.ResumePlan.worker(): where to continue from
+    # startup.SharedStart.ticket: dataset, init_fn and collate_fn are loaded from there
+    # (spawn / forkserver; None: they came with this config)
+    shared: tuple | None = None
 
 
 def _parent_alive(slots: WorkerSlots) -> bool:
@@ -70,6 +73,8 @@ def worker_loop(cfg: WorkerConfig) -> None:
 
     slots = None
     try:
+        if cfg.shared is not None:  # before attaching: main frees it once all have replied
+            cfg.dataset, cfg.init_fn, cfg.collate_fn = startup.load(cfg.shared)
         signal_handling._set_worker_signal_handlers()
         torch.multiprocessing._set_thread_name("pt_data_worker")
         torch.set_num_threads(1)

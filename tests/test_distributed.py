@@ -43,7 +43,9 @@ def _run_ranks(tmp_path, urls=()):
     procs, outs, errs = [], [], []
     try:
         for rank in range(WORLD):
+            # POSIX pools, whose names must not collide between ranks (memfd names nothing)
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
+                       POOLLOADER_SHM_BACKEND="posix",
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                        PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(HERE),
                                                    os.environ.get("PYTHONPATH", "")]))
