@@ -37,6 +37,15 @@ import proc
 import pytest
 
 SHM_DIR = "/dev/shm"
+# POOLLOADER_TEST_START_METHOD=forkserver runs the tests with that process-wide default
+# start method, as Python 3.14 has on Linux (DataLoader and PoolLoader both follow it).
+START_METHOD_ENV = "POOLLOADER_TEST_START_METHOD"
+
+
+def pytest_configure(config):
+    method = os.environ.get(START_METHOD_ENV)
+    if method:
+        multiprocessing.set_start_method(method, force=True)
 SETTLE_S = 5.0
 _FIRST_NUMBER = re.compile(r"(?:^|[_.-])(\d+)(?:[_.-]|$)")
 

@@ -1,0 +1,76 @@
+"""Worker start-up under spawn and forkserver (poolloader.startup): the dataset,
+worker_init_fn and collate_fn are pickled once per iterator, not once per worker, and
+main's shared copy is released once every worker has loaded it."""
+from __future__ import annotations
+
+import multiprocessing
+import os
+
+import pytest
+import torch
+from compare import assert_same
+from torch.utils.data import DataLoader, Dataset
+
+from poolloader import PoolLoader
+
+
+class CountedPickles(Dataset):
+    """Counts how often main pickles it (a class attribute: pickling runs in main)."""
+
+    pickled = 0
+
+    def __init__(self, n: int = 48):
+        self.n = n
+        self.state = [f"img_{i:06d}.jpg" for i in range(n)]  # some Python state
+
+    def __getstate__(self):
+        type(self).pickled += 1
+        return self.__dict__
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return torch.tensor([i, len(self.state[i])]), torch.initial_seed() % 1000
+
+
+def seed_init(worker_id):
+    torch.manual_seed(1000 + worker_id)
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_dataset_is_pickled_once_per_iterator_and_batches_match_dataloader(method):
+    ctx = multiprocessing.get_context(method)
+    workers = 3
+    results = {}
+    for cls in (DataLoader, PoolLoader):
+        CountedPickles.pickled = 0
+        torch.manual_seed(7)
+        loader = cls(CountedPickles(), batch_size=4, num_workers=workers,
+                     multiprocessing_context=ctx, worker_init_fn=seed_init)
+        results[cls] = (list(loader), CountedPickles.pickled)
+    assert results[DataLoader][1] == workers  # DataLoader: once per worker
+    assert results[PoolLoader][1] == 1  # PoolLoader: once
+    assert_same(results[DataLoader][0], results[PoolLoader][0])
+
+
+def test_the_shared_start_is_released_once_every_worker_has_replied():
+    loader = PoolLoader(CountedPickles(), batch_size=4, num_workers=2,
+                        multiprocessing_context=multiprocessing.get_context("spawn"))
+    it = iter(loader)
+    assert it._shared_start is not None and it._shared_start.nbytes > 0
+    fd = it._shared_start._fd
+    assert os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:poolloader-start")
+    batches = [next(it) for _ in range(4)]  # both workers replied
+    assert it._shared_start is None
+    assert [b[0][:, 0].tolist() for b in batches] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11],
+                                                      [12, 13, 14, 15]]
+
+
+def test_fork_workers_pickle_nothing():
+    CountedPickles.pickled = 0
+    loader = PoolLoader(CountedPickles(), batch_size=4, num_workers=2,
+                        multiprocessing_context=multiprocessing.get_context("fork"))
+    it = iter(loader)
+    assert it._shared_start is None
+    assert len(list(it)) == 12 and CountedPickles.pickled == 0
