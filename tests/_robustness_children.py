@@ -532,6 +532,84 @@ def concurrent(tag: str, epochs: str) -> None:
 
 
 # ---------------------------------------------------------------------------
+# 8. the at-fork hook while other threads make and drop mappings
+
+def fork_hook_threads(forks: str = "200") -> None:
+    """Fork `forks` times from a thread, each time right after leasing a fresh DONTFORK
+    mapping, while another thread makes and drops mappings and the interpreter
+    switches threads every microsecond. Each child reads the leased bytes (a mapping
+    the hook missed is not in the child: SIGSEGV). Prints the figures; the parent test
+    also checks stderr for what the hook may have printed."""
+    import threading
+
+    from poolloader import ledger  # noqa: F401 - registers the at-fork hook
+    from poolloader._shm import Lease, Mapping
+
+    faulthandler.enable()
+    forks = int(forks)
+    size = 1 << 16
+    fd = os.memfd_create("pltest-forkhook")  # anonymous: no name to leave behind
+    os.ftruncate(fd, size)
+    unraisable = []
+    sys.unraisablehook = lambda u: unraisable.append(f"{u.exc_type.__name__}: {u.exc_value}")
+    # a long registry to walk (a WeakSet walk of it let another thread add mid-walk)
+    live = [Mapping(fd, size, True) for _ in range(20000)]
+    stop = threading.Event()
+    churned = [0]
+
+    def churn():
+        while not stop.is_set():
+            made = [Mapping(fd, size, True) for _ in range(16)]
+            churned[0] += len(made)
+            del made
+
+    bad = []
+
+    def fork_many():
+        for i in range(forks):
+            mapping = Mapping(fd, size, True)
+            lease = Lease(mapping, 0, size)
+            memoryview(lease)[:8] = i.to_bytes(8, "little")
+            pid = os.fork()
+            if pid == 0:
+                ok = int.from_bytes(bytes(memoryview(lease)[:8]), "little") == i
+                os._exit(0 if ok else 3)
+            deadline = time.monotonic() + 30
+            while True:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    break
+                if time.monotonic() > deadline:
+                    os.kill(pid, 9)
+                    os.waitpid(pid, 0)
+                    status = -1
+                    break
+                time.sleep(0.001)
+            if status != 0:
+                bad.append((i, status, mapping.forked))
+            del lease, mapping
+
+    sys.setswitchinterval(1e-6)
+    churner = threading.Thread(target=churn, daemon=True)
+    forker = threading.Thread(target=fork_many)
+    churner.start()
+    forker.start()
+    forker.join(240)
+    stop.set()
+    churner.join(30)
+    sys.setswitchinterval(0.005)
+    os.close(fd)
+    print(f"forks={forks}")
+    print(f"churned={churned[0]}")
+    print(f"bad_children={len(bad)}")
+    print(f"unraisable={len(unraisable)}")
+    assert not forker.is_alive(), "the forking thread did not finish"
+    assert not unraisable, f"the fork hook raised: {unraisable[:3]}"
+    assert not bad, f"children that could not read their leased mapping: {bad[:5]}"
+    del live
+
+
+# ---------------------------------------------------------------------------
 
 if __name__ == "__main__":
     globals()[sys.argv[1]](*sys.argv[2:])
