@@ -281,12 +281,20 @@ class _FallbackUnpickler(pickle.Unpickler):
 
 
 class _SkeletonUnpickler(_FallbackUnpickler):
-    def __init__(self, file, lease: Lease, small: torch.Tensor | None):
+    def __init__(self, file, lease: Lease, small: torch.Tensor | None, pin_small: bool = False):
         super().__init__(file)
         self.lease = lease        # the batch's bytes of the data region [DATA_OFF, data end)
         self.small = small        # private copy of the small block (uint8), or None
+        self.pin_small = pin_small
         self.small_typed = [None] * _NUM_DTYPES
         self.views = 0
+
+    def _small_block(self) -> torch.Tensor:
+        # A batch whose small tensors are all empty has a small block of 0 bytes, and
+        # none is copied: its empty tensors get an empty private buffer of their own.
+        if self.small is None:
+            self.small = torch.empty(0, dtype=torch.uint8, pin_memory=self.pin_small)
+        return self.small
 
     def persistent_load(self, pid):
         # Hot path: one call per tensor of the batch, so it checks only what torch
@@ -298,15 +306,20 @@ class _SkeletonUnpickler(_FallbackUnpickler):
             kind = pid[0]
             if kind == _TS:
                 _, code, off, shape, stride = pid
-                if 0 <= code < _NUM_DTYPES and self.small is not None and not off % ITEMSIZE[code]:
+                if 0 <= code < _NUM_DTYPES and not off % ITEMSIZE[code]:
                     typed = self.small_typed[code]
                     if typed is None:
-                        typed = self.small_typed[code] = self.small.view(DTYPES[code])
+                        typed = self.small_typed[code] = self._small_block().view(DTYPES[code])
                     return typed.as_strided(shape, stride, off // ITEMSIZE[code])
             elif kind == _T:
                 _, code, off, shape, stride, count = pid
                 if 0 <= code < _NUM_DTYPES and off >= DATA_OFF and not off % ITEMSIZE[code]:
                     if count == 0:
+                        # nothing in the slot bounds this tensor: only a shape of zero
+                        # elements is taken (a corrupt one must not size an allocation)
+                        if type(shape) is not tuple or 0 not in shape:
+                            raise SlotCorrupt(f"persistent id {pid!r} claims 0 elements for "
+                                              f"a shape of more")
                         return torch.empty_strided(shape, stride, dtype=DTYPES[code])
                     own = torch.frombuffer(self.lease, dtype=DTYPES[code], count=count,
                                            offset=off - DATA_OFF)
@@ -318,8 +331,7 @@ class _SkeletonUnpickler(_FallbackUnpickler):
                 return self._array(self.lease, DATA_OFF, dtype_str, off, shape, order)
             elif kind == _AS:
                 _, dtype_str, off, shape, order = pid
-                if self.small is not None:
-                    return self._array(self.small.numpy(), 0, dtype_str, off, shape, order)
+                return self._array(self._small_block().numpy(), 0, dtype_str, off, shape, order)
             elif kind == _P:
                 _, blob = pid
                 if type(blob) is bytes:
@@ -387,7 +399,7 @@ def decode(mapping, header: np.ndarray, registry: dict | None = None, on_release
     if small_len:
         small = torch.empty(small_len, dtype=torch.uint8, pin_memory=pin_small)
         small.numpy()[:] = np.frombuffer(mapping, np.uint8, count=small_len, offset=small_off)
-    unpickler = _SkeletonUnpickler(io.BytesIO(skeleton), lease, small)
+    unpickler = _SkeletonUnpickler(io.BytesIO(skeleton), lease, small, pin_small)
     try:
         payload = unpickler.load()
     except SlotCorrupt:

@@ -11,6 +11,7 @@ import warnings
 import loader_datasets as ds
 import pytest
 import torch
+from compare import assert_same, both_loaders
 from torch.utils.data import DataLoader, TensorDataset
 
 from poolloader import PoolLoader, WorkerDied
@@ -83,6 +84,15 @@ def test_refill_error_never_replaces_a_decoded_batch():
     assert delivered[PoolLoader][:len(delivered[DataLoader])] == delivered[DataLoader]
     assert len(delivered[PoolLoader]) == len(delivered[DataLoader]) + 1
     assert delivered[PoolLoader] == [[2 * i, 2 * i + 1] for i in range(len(delivered[PoolLoader]))]
+
+
+def test_a_batch_of_only_empty_tensors_equals_dataloaders():
+    """Every small tensor of the batch is empty (shape (40960, 0), and a (0,) label): no
+    small block is copied, and the batch is still DataLoader's."""
+    data = TensorDataset(torch.empty(2 * 40_960, 0), torch.empty(2 * 40_960, 0, dtype=torch.int64))
+    ref, got = both_loaders(lambda cls: cls(data, batch_size=40_960, num_workers=2))
+    assert len(got) == len(ref) == 2 and got[0][0].shape == (40_960, 0)
+    assert_same(ref, got)
 
 
 def nested_collate(batch):

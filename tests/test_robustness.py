@@ -66,8 +66,9 @@ def test_decoder_fuzz_never_escapes_the_slot():
     numpy/sparse/namedtuple/dataclass, slot_collate'd, a worker error): random header
     fields, bit flips in the skeleton with and without a consistent checksum, spliced and
     random skeletons, forged persistent ids, bit flips in the data region. decode must
-    raise SlotCorrupt or return views inside the data region; never crash, hang, or
-    reach a side effect. Runs in a child: a segfault fails this test, not pytest."""
+    raise SlotCorrupt or return views inside the data region, allocating no more tensor
+    bytes than the slot holds; never crash, hang (the child's timeout), or reach a side
+    effect. Runs in a child: a segfault fails this test, not pytest."""
     proc = run_child("fuzz", 400, timeout=150)
     print(proc.stdout)
     assert proc.returncode == 0, (
