@@ -3,6 +3,28 @@
 The layout and the header are slot_format's; this module fills the data region,
 the small block and the skeleton, and rebuilds the batch from them (the module
 docstring of slot_format.py describes what a decoded batch's tensors are).
+
+What main trusts in what it reads from shared memory. The workers run as the same
+user as main, running the user's own dataset code, as DataLoader's do (and
+DataLoader's main unpickles whatever its workers send). So the slots are not a
+security boundary: any process of that user can write them, and a skeleton is a
+pickle, which may call any importable callable. What is checked is what a bug or a
+crash can produce (a torn or stray write, a worker killed mid-publish, a dataset
+that rewrites a slot tensor it kept): it becomes SlotCorrupt (ControlCorrupt for
+the rings and control block) in main, never a read or write outside the slot, a
+crash, a hang or an allocation sized by a corrupt field.
+
+* checked: the header (magic, the batch number and worker echoed, status, every
+  offset and length inside the slot: `check_header`, `slot_format.reply_status`);
+  the skeleton's CRC32 before pickle sees it (integrity, not authenticity); each
+  persistent id (kind, dtype code, alignment; a view is bounded by the lease over
+  the data region or by the private small buffer; a zero-element tensor must have
+  a zero in its shape, so nothing is allocated from a claimed size); the request
+  and resume record bounds; ring counters and capacity (poolloader._ring).
+* not checked: the values of tensor and array bytes (a worker that writes wrong
+  numbers delivers them, as under DataLoader); what the unpickled skeleton builds
+  besides tensors; a worker writing a slot after it returned it (invariant 1 is
+  kept by the code on both sides, not by page protection).
 """
 from __future__ import annotations
 
