@@ -125,6 +125,8 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         self._workers_num_tasks = [0] * self._num_workers
         self._worker_queue_idx_cycle = itertools.cycle(range(self._num_workers))
         self._sampler_exhausted = False
+        self._puts_owed = 0  # requests a failed _try_put_index still owes (see there)
+        self._unsent: tuple | None = None  # (index, worker) drawn by one of them, not sent
         self._resume.position_epoch(self, first_iter)  # after _reclaim_all; applies a loaded state
         for _ in range(self._prefetch_factor * self._num_workers):
             self._try_put_index()
@@ -181,33 +183,59 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
 
     # -- requests --------------------------------------------------------------
     def _try_put_index(self) -> None:
-        # DataLoader's _try_put_index, call for call; the slot is taken only once
-        # the index and the worker are known.
-        max_tasks = self._prefetch_factor * self._num_workers
-        try:
-            index = self._next_index()
-        except StopIteration:
-            self._sampler_exhausted = True
-            return
-        for _ in range(self._num_workers):
-            worker = next(self._worker_queue_idx_cycle)
-            if self._workers_status[worker]:
-                if self._in_order:
-                    break
-                if self._workers_num_tasks[worker] < max_tasks // sum(self._workers_status):
-                    break
+        """DataLoader's _try_put_index, call for call. A call that raises (no shared
+        memory for a slot, an index that cannot be pickled) stays owed: its index and
+        worker are kept, and the next call (or next()) sends it first, so no index is
+        lost and the prefetch depth comes back."""
+        self._puts_owed += 1
+        self._send_owed()
+
+    def _send_owed(self) -> None:
+        while self._puts_owed:
+            self._put_one()  # raises: still owed
+            self._puts_owed -= 1
+
+    def _put_one(self) -> None:
+        # the slot is taken only once the index and the worker are known
+        if self._unsent is not None:
+            index, worker = self._unsent
+            if not self._workers_status[worker]:
+                # its worker ended meanwhile (iterable): DataLoader would have sent it
+                # there, and nothing would have come of it
+                self._unsent = None
+                return
         else:
-            return
-        request = fmt.pickle_request(index)
+            max_tasks = self._prefetch_factor * self._num_workers
+            try:
+                index = self._next_index()
+            except StopIteration:
+                self._sampler_exhausted = True
+                return
+            for _ in range(self._num_workers):
+                worker = next(self._worker_queue_idx_cycle)
+                if self._workers_status[worker]:
+                    if self._in_order:
+                        break
+                    if self._workers_num_tasks[worker] < max_tasks // sum(self._workers_status):
+                        break
+            else:
+                return
         ledger = self._ledger
-        slot = ledger.take(fmt.request_slot_bytes(request))
+        slot = None
         try:
+            request = fmt.pickle_request(index)
+            slot = ledger.take(fmt.request_slot_bytes(request))
             fmt.write_request(ledger.mapping(slot), ledger.header(slot), self._send_idx,
                               self._epoch, worker, request)
             ledger.inflight[slot] = (self._send_idx, worker)
         except BaseException:
-            ledger.give_back(slot)
+            if slot is not None:
+                ledger.give_back(slot)
+            # drawn and counted (the resume tracker's pending, for in_order=False, has
+            # it under this same send index): kept for the retry, never dropped
+            self._unsent = (index, worker)
             raise
+        self._unsent = None
         try:
             self._request_rings[worker].push(slot, timeout=None)  # capacity: every slot
         except ControlCorrupt as e:
@@ -272,6 +300,8 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
             if self._ended:
                 raise StopIteration
             raise RuntimeError(self._dead_message())
+        if self._puts_owed:  # requests an earlier call could not send go first
+            self._send_owed()
         ledger = self._ledger
         while True:
             while self._rcvd_idx < self._send_idx:
