@@ -41,6 +41,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
     def __init__(self, loader) -> None:
         _BaseDataLoaderIter.__init__(self, loader)
         self._shutdown = True  # until workers exist there is nothing to shut down
+        self._teardown_left: tuple[str, ...] = ()  # _shutdown_workers' steps not yet done
         self._fatal: str | None = None
         self._owner_pid = os.getpid()
         self._workers: list = []
@@ -69,6 +70,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
             on_unmap=self._gate.unregister if self._gate else None)
         self._ledger = SlotLedger(self._pool, self._stats, self._gate, size.capacity)
         self._shutdown = False
+        self._teardown_left = self._TEARDOWN
         try:
             self._request_rings = self._pool.control.request_rings
             self._replies = supervise.Replies(self._pool.control, self._workers, self._timeout,
@@ -387,31 +389,67 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         self._fatal = f"{type(error).__name__}: {error}"
         self._shutdown_workers()
 
+    # The teardown steps, in order (methods below).
+    _TEARDOWN = ("_close_requests", "_stop_workers", "_close_replies", "_close_stager",
+                 "_close_ledger", "_detach_stats", "_close_pool", "_untrack")
+
     def _shutdown_workers(self) -> None:
         """The one place that stops everything, in order: close the request rings
         (wakes and ends every worker) → the ladder → unlink every name and drop the
-        mappings. Idempotent; does nothing in a forked child."""
-        if self._shutdown or os.getpid() != self._owner_pid:
+        mappings. Idempotent; does nothing in a forked child.
+
+        Each step runs in its own try: one that raises (a second Ctrl-C during the
+        join) does not keep the later ones from running, and the first error is raised
+        at the end. A step is recorded as done only once it returned, so a later call
+        (atexit, __del__) runs only what is left."""
+        if os.getpid() != self._owner_pid:
             return
         self._shutdown = True
+        error: BaseException | None = None
+        for step in self._teardown_left:
+            try:
+                getattr(self, step)()
+            except BaseException as e:
+                error = error or e
+                continue
+            self._teardown_left = tuple(s for s in self._teardown_left if s != step)
+        if error is not None:
+            raise error
+
+    def _close_requests(self) -> None:
         try:
             for ring in getattr(self, "_request_rings", ()):
                 ring.close()
         finally:
-            supervise.stop(self._workers)
-            self._request_rings = []
-            if self._replies is not None:
-                self._replies.close()
-            if self._stager is not None:
-                self._stager.close()
-            if self._ledger is not None:
-                # bounded wait for every copy that may still read a cooling, leased or
-                # staged slot, on every stream and device; then the pool unregisters
-                self._ledger.close()
-            if self._pool is not None:
-                self._stats._detach(self._pool)
-                self._pool.close()
-            supervise.untrack(self)
+            self._request_rings = []  # a ring keeps the control block mapped
+
+    def _stop_workers(self) -> None:
+        supervise.stop(self._workers)
+
+    def _close_replies(self) -> None:
+        if self._replies is not None:
+            self._replies.close()
+
+    def _close_stager(self) -> None:
+        if self._stager is not None:
+            self._stager.close()
+
+    def _close_ledger(self) -> None:
+        if self._ledger is not None:
+            # bounded wait for every copy that may still read a cooling, leased or
+            # staged slot, on every stream and device; then the pool unregisters
+            self._ledger.close()
+
+    def _detach_stats(self) -> None:
+        if self._pool is not None:
+            self._stats._detach(self._pool)
+
+    def _close_pool(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+
+    def _untrack(self) -> None:
+        supervise.untrack(self)
 
     def _shutdown_at_exit(self) -> None:
         """From atexit or a finaliser: no CUDA call (the process or the object is going

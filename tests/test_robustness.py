@@ -260,6 +260,41 @@ def test_signal_to_main_mid_epoch_exits_and_cleans_up(mode):
             child.wait(10)
 
 
+def test_ctrl_c_during_the_join_still_closes_the_pool_and_a_later_call_finishes():
+    """A second Ctrl-C while shutdown waits for busy workers (the join ladder) raises
+    KeyboardInterrupt, but the pool is closed anyway (names unlinked, mappings
+    dropped); a later call (atexit, __del__) finishes what the interrupt cut short."""
+    loader = PoolLoader(rds.StallsAfter(fast=2, stall=20.0), batch_size=1, num_workers=2,
+                        prefetch_factor=1)
+    it = iter(loader)
+    assert [int(next(it)[0][0]) for _ in range(2)] == [0, 1]  # now both workers stall
+    prefix, pids = it.shm_prefix, it.worker_pids
+    tag = prefix.lstrip("/")
+
+    def ours_mapped():
+        return [path for _, _, path in proc.maps() if tag in path]
+    assert names_with(prefix) and ours_mapped()
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)  # inside the 1 s join: the workers are busy
+        with pytest.raises(KeyboardInterrupt):
+            it._shutdown_workers()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    gc.collect()
+    assert not names_with(prefix), names_with(prefix)
+    assert not ours_mapped(), ours_mapped()
+    it._shutdown_workers()  # what atexit or __del__ would call
+    assert wait_until(lambda: not any(running(p) for p in pids), 5.0), pids
+    assert it._teardown_left == ()
+    with pytest.raises(RuntimeError, match="shut down"):
+        next(it)
+
+
 # -- 4. exceptions in __iter__, unpicklable batches ------------------------------------------
 
 def epoch_outcome(loader, max_batches=40):
