@@ -21,7 +21,7 @@ from torch.utils.data._utils import worker as torch_worker
 from torch.utils.data._utils.collate import default_collate
 from torch.utils.data._utils.worker import WorkerInfo, _generate_state
 
-from poolloader import codec, resume
+from poolloader import codec, resume, supervise
 from poolloader import collate as slot_collate_mod
 from poolloader import slot_format as fmt
 from poolloader.errors import RingClosed, RingTimeout
@@ -61,6 +61,7 @@ def worker_loop(cfg: WorkerConfig) -> None:
     from torch.utils.data import _DatasetKind
 
     owner = OwnerProbe(cfg.prefix)
+    supervise.parent_process_through(owner)
     slots = None
     try:
         signal_handling._set_worker_signal_handlers()

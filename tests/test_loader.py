@@ -100,6 +100,17 @@ def test_parity_worker_info_seed_and_init_fn():
     parity(ds.SeedInfoDataset(), batch_size=2, num_workers=3, worker_init_fn=ds.record_init)
 
 
+@pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
+def test_parent_process_in_a_worker_is_alive_as_under_dataloader(context):
+    """multiprocessing.parent_process() in a worker: alive, main's pid and name, and
+    join(timeout) waits, under every start method (PoolLoader closes the pipe ends the
+    stock answer comes from; the worker asks the pool's owner probe instead)."""
+    [batches] = parity(ds.ParentProcessDataset(), batch_size=2, num_workers=2,
+                     multiprocessing_context=context)
+    assert all(b["alive"].all() and b["join_waited"].all() for b in batches), batches
+    assert all((b["pid"] == os.getpid()).all() for b in batches), batches
+
+
 def test_parity_prefetch_and_out_of_order():
     parity(ds.AugmentDataset(n=25), batch_size=2, num_workers=2, prefetch_factor=4)
     # in_order=False: same multiset of batches
