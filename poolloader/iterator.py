@@ -14,12 +14,18 @@ header and the batch codec), `cuda` (registration, reuse gate, device staging).
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 
 import torch
 from torch._utils import ExceptionWrapper
-from torch.utils.data.dataloader import _BaseDataLoaderIter, _MultiProcessingDataLoaderIter
+from torch.utils.data import IterDataPipe, MapDataPipe
+from torch.utils.data.dataloader import (
+    _BaseDataLoaderIter,
+    _MultiProcessingDataLoaderIter,
+    _sharding_worker_init_fn,
+)
 
 from poolloader import codec, cuda, supervise
 from poolloader import slot_format as fmt
@@ -75,13 +81,19 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
             self._request_rings = self._pool.control.request_rings
             self._replies = supervise.Replies(self._pool.control, self._workers, self._timeout,
                                               self._stats, on_tick=self._pool.unlink_mapped)
+            init_fn = loader.worker_init_fn
+            if isinstance(self._dataset, (IterDataPipe, MapDataPipe)):
+                # DataLoader's workers shard a datapipe first (by worker and rank)
+                init_fn = functools.partial(_sharding_worker_init_fn, init_fn,
+                                            self._world_size, self._rank)
             for i in range(n):
                 cfg = WorkerConfig(
                     dataset_kind=self._dataset_kind, dataset=self._dataset,
                     auto_collation=self._auto_collation, collate_fn=self._collate_fn,
                     drop_last=self._drop_last, base_seed=int(self._base_seed),
-                    init_fn=loader.worker_init_fn, worker_id=i, num_workers=n,
-                    prefix=self._pool.prefix, resume=self._resume.worker_plan(i))
+                    init_fn=init_fn, worker_id=i, num_workers=n,
+                    prefix=self._pool.prefix, resume=self._resume.worker_plan(i),
+                    shared_seed=self._shared_seed)
                 self._workers.append(supervise.start_worker(ctx, worker_loop, (cfg,)))
             supervise.track(self)
             self._stats._attach(self._pool)
@@ -228,7 +240,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
             request = fmt.pickle_request(index)
             slot = ledger.take(fmt.request_slot_bytes(request))
             fmt.write_request(ledger.mapping(slot), ledger.header(slot), self._send_idx,
-                              self._epoch, worker, request)
+                              self._epoch, worker, request, self._shared_seed)
             ledger.inflight[slot] = (self._send_idx, worker)
         except BaseException:
             if slot is not None:
