@@ -147,11 +147,12 @@ def enabled() -> bool:
 
 @contextlib.contextmanager
 def recording() -> Iterator[dict]:
-    """Within the block, every `DataLoader.__init__` call in this process (a DataLoader's,
-    or a subclass's through super()) is recorded: yields a dict
-    {id(loader): (args, kwargs)} of DataLoader's arguments, so a caller can rebuild a
-    loader someone else built (poolloader.accelerate does). `DataLoader.__init__` is
-    wrapped only while some block is open (functools.wraps: its signature stays)."""
+    """Within the block, every DataLoader (or PoolLoader) built in this process is
+    recorded: yields a dict {id(loader): (args, kwargs)} of DataLoader's arguments, so a
+    caller can rebuild a loader someone else built (poolloader.accelerate does). Other
+    subclasses (StatefulDataLoader) are not: their arguments are not DataLoader's alone.
+    `DataLoader.__init__` is wrapped only while some block is open (functools.wraps:
+    its signature stays)."""
     calls: dict = {}
     with _State.lock:
         if not _State.recorders:
@@ -159,8 +160,9 @@ def recording() -> Iterator[dict]:
 
             @functools.wraps(original)
             def recording_init(self, *args, **kwargs):
-                for recorder in list(_State.recorders):
-                    recorder[id(self)] = (args, kwargs)
+                if type(self) is DataLoader or isinstance(self, PoolLoader):
+                    for recorder in list(_State.recorders):
+                        recorder[id(self)] = (args, kwargs)
                 original(self, *args, **kwargs)
             DataLoader.__init__ = recording_init  # type: ignore[method-assign]
         _State.recorders.append(calls)
