@@ -20,9 +20,13 @@ not inherit (and pin) the pool's segments. A mapping that a live lease views is
 different: the user owns that batch and a forked child may read it, as with a
 DataLoader batch. `share_leased_with_children()`, run just before every fork,
 clears DONTFORK on those mappings and marks them `forked`, and the iterator never
-reuses a forked mapping for another batch.
+reuses a forked mapping for another batch. The hook may run while other threads
+make and drop mappings: it works on a snapshot of the registry (`_dontfork`, a dict
+address -> weakref, copied by one C call that runs no bytecode, so no thread switch
+can land in it), never on the live container.
 """
 from cpython.buffer cimport PyBuffer_FillInfo
+from cpython.dict cimport PyDict_Values
 from cpython.weakref cimport PyWeakref_NewRef
 from libc.stdint cimport uintptr_t
 
@@ -36,10 +40,12 @@ cdef extern from "sys/mman.h" nogil:
 from libc.errno cimport errno
 from posix.unistd cimport getpid, pid_t
 
-import weakref
-
-# Main's DONTFORK mappings, so the fork hook can find those a lease views.
-_dontfork_mappings = weakref.WeakSet()
+# Main's DONTFORK mappings, so the fork hook can find those a lease views: start
+# address -> weakref to the Mapping. A mapping enters in __cinit__ and leaves when it
+# is unmapped (an address is unique among live mappings). A dict, not a WeakSet:
+# PyDict_Values copies it atomically under the GIL, while iterating a WeakSet runs
+# bytecode, between which another thread may add to it ("Set changed size").
+cdef dict _dontfork = {}
 
 
 cdef class Mapping:
@@ -75,7 +81,7 @@ cdef class Mapping:
         self.leases = 0
         self.forked = False
         if dontfork:
-            _dontfork_mappings.add(self)
+            _dontfork[<uintptr_t>addr] = PyWeakref_NewRef(self, None)
 
     @property
     def address(self):
@@ -89,6 +95,9 @@ cdef class Mapping:
     def share_with_children(self):
         """Let children forked from now on inherit this mapping (clears DONTFORK)
         and mark it `forked`: its bytes may be read by another process from now on."""
+        self._share()
+
+    cdef void _share(self):
         if self._addr != NULL and self._dontfork and getpid() == self._owner:
             madvise(self._addr, self.size, MADV_DOFORK)
             self._dontfork = False
@@ -108,7 +117,20 @@ cdef class Mapping:
         # pages: the address range is not ours to unmap there.
         if not (self._dontfork and getpid() != self._owner):
             munmap(self._addr, self.size)
+        self._unregister()
         self._addr = NULL
+
+    cdef void _unregister(self):
+        # In a forked child the address may already belong to a new mapping there:
+        # leave that one's entry (during __dealloc__ our own weakref reads None).
+        if _dontfork is None:  # only while the module is torn down
+            return
+        key = <uintptr_t>self._addr
+        ref = _dontfork.get(key)
+        if ref is not None:
+            current = ref()
+            if current is None or current is self:
+                del _dontfork[key]
 
     def __getbuffer__(self, Py_buffer *buffer, int flags):
         if self._addr == NULL:
@@ -175,11 +197,19 @@ def take_lease(Mapping mapping, size_t offset, size_t length, dict registry, cal
 
 def share_leased_with_children():
     """Before a fork: every mapping a live lease views becomes inheritable and is
-    marked `forked` (never reused for another batch). Returns how many."""
+    marked `forked` (never reused for another batch). Returns how many.
+
+    Safe while other threads make and drop mappings: it walks a snapshot of the
+    registry taken in one C call; a mapping made after the snapshot has no lease yet."""
+    cdef list refs = PyDict_Values(_dontfork)
     cdef Mapping m
-    n = 0
-    for m in list(_dontfork_mappings):
-        if m.leases and m._addr != NULL:
-            m.share_with_children()
+    cdef Py_ssize_t n = 0
+    for ref in refs:
+        obj = ref()
+        if obj is None:
+            continue
+        m = <Mapping>obj
+        if m.leases and m._addr != NULL and m._dontfork:
+            m._share()
             n += 1
     return n

@@ -16,9 +16,9 @@ batches of a prepared PoolLoader no longer go through the pool. Two ways keep it
   PoolLoader itself (with the runner's pool options).
 
 A direct `accelerator.prepare(pool_loader)` outside both warns once that the pool is
-dropped. `use_stateful_dataloader=True` (torchdata's StatefulDataLoader, for resumable
-state) cannot be kept: PoolLoader has no `state_dict`; that case warns and keeps
-accelerate's loader.
+dropped. `use_stateful_dataloader=True` (accelerate then builds torchdata's
+StatefulDataLoader, a class of its own) is not rebuilt: that case warns and keeps
+accelerate's loader (PoolLoader's own `state_dict()` has StatefulDataLoader's layout).
 """
 from __future__ import annotations
 

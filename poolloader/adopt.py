@@ -1,8 +1,9 @@
 """Build the DataLoaders a script constructs as PoolLoaders, without editing the script.
 
-One mechanism, shared by the runner (`python -m poolloader SCRIPT`, `poolloader.runner`)
-and `poolloader.accelerate`: `torch.utils.data.DataLoader.__new__` is set once per
-process to `_new` below, which does nothing until pooling is switched on (`enable`).
+The runner (`python -m poolloader SCRIPT`, `poolloader.runner`) sets
+`torch.utils.data.DataLoader.__new__` once per process (`enable`) to `_new` below
+(through a descriptor that keeps `inspect.signature(DataLoader)` DataLoader's own,
+for tools that configure loaders by introspection: LightningCLI, jsonargparse).
 From then on, `DataLoader(..., num_workers=N > 0)` returns a `PooledDataLoader` (a
 PoolLoader carrying the runner's pool options) and Python runs that class's `__init__`
 with the caller's arguments. Why this and not replacing the name:
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import inspect
 import multiprocessing
 import multiprocessing.spawn
@@ -145,16 +147,32 @@ def enabled() -> bool:
 
 @contextlib.contextmanager
 def recording() -> Iterator[dict]:
-    """Within the block, every `DataLoader` (or subclass) construction in this process is
-    recorded: yields a dict {id(loader): (args, kwargs)} of the exact call, so a caller
-    can rebuild a loader someone else built (poolloader.accelerate does)."""
-    _install()
+    """Within the block, every DataLoader (or PoolLoader) built in this process is
+    recorded: yields a dict {id(loader): (args, kwargs)} of DataLoader's arguments, so a
+    caller can rebuild a loader someone else built (poolloader.accelerate does). Other
+    subclasses (StatefulDataLoader) are not: their arguments are not DataLoader's alone.
+    `DataLoader.__init__` is wrapped only while some block is open (functools.wraps:
+    its signature stays)."""
     calls: dict = {}
-    _State.recorders.append(calls)
+    with _State.lock:
+        if not _State.recorders:
+            original = DataLoader.__dict__["__init__"]
+
+            @functools.wraps(original)
+            def recording_init(self, *args, **kwargs):
+                if type(self) is DataLoader or isinstance(self, PoolLoader):
+                    for recorder in list(_State.recorders):
+                        recorder[id(self)] = (args, kwargs)
+                original(self, *args, **kwargs)
+            DataLoader.__init__ = recording_init  # type: ignore[method-assign]
+        _State.recorders.append(calls)
     try:
         yield calls
     finally:
-        _State.recorders.remove(calls)
+        with _State.lock:
+            _State.recorders.remove(calls)
+            if not _State.recorders:
+                DataLoader.__init__ = DataLoader.__init__.__wrapped__  # type: ignore[attr-defined,method-assign]
 
 
 def forget(loader) -> None:
@@ -166,27 +184,53 @@ def forget(loader) -> None:
 
 def _install() -> None:
     # Once per process, never undone: a class whose __new__ was assigned cannot get
-    # object.__new__'s argument handling back, so _new stays and passes through.
+    # object.__new__'s argument handling back, so _new stays and passes through. Only
+    # the runner installs it (enable), never poolloader.accelerate.
     with _State.lock:
         if not _State.installed:
-            DataLoader.__new__ = staticmethod(_new)  # type: ignore[method-assign]
+            DataLoader.__new__ = _AdoptingNew()  # type: ignore[assignment,method-assign]
             _State.installed = True
 
 
+class _AdoptingNew:
+    """DataLoader.__new__ while the hook is installed. A descriptor rather than a
+    staticmethod: read from a class (by Python when it builds an instance, or by
+    `inspect.signature`), it gives a callable that builds through `_new` and reports
+    the signature that class has without the hook (its `__init__`'s), so
+    `inspect.signature(DataLoader)` and a subclass's stay their own."""
+
+    def __get__(self, obj, owner=None):
+        return _BoundNew(owner if owner is not None else type(obj))
+
+
+class _BoundNew:
+    __slots__ = ("owner",)
+
+    def __init__(self, owner: type):
+        self.owner = owner
+
+    def __call__(self, cls, *args, **kwargs):
+        return _new(cls, *args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        # inspect drops the first parameter (self, for __init__; cls, for __new__)
+        return inspect.signature(self.owner.__init__)  # type: ignore[misc]
+
+
 def _new(cls, *args, **kwargs):
-    if not args and not kwargs:  # copy/pickle re-creating an object: not a construction
-        return object.__new__(cls)
     target = cls
-    if _State.options is not None and cls is DataLoader:
-        target, kind = _choose(args, kwargs)
-        if target is DataLoader:
-            _track(_Built(kind, "DataLoader", _where(), _num_workers(args, kwargs)))
-    elif _State.options is not None and not issubclass(cls, PoolLoader):
-        _track(_Built("subclass", cls.__qualname__, _where(), _num_workers(args, kwargs)))
-    obj = object.__new__(target)
-    for calls in _State.recorders:
-        calls[id(obj)] = (args, kwargs)
-    return obj
+    if (args or kwargs) and _State.options is not None:  # none: copy/pickle re-creating one
+        if cls is DataLoader:
+            target, kind = _choose(args, kwargs)
+            if target is DataLoader:
+                _track(_Built(kind, "DataLoader", _where(), _num_workers(args, kwargs)))
+        elif not issubclass(cls, PoolLoader):
+            _track(_Built("subclass", cls.__qualname__, _where(), _num_workers(args, kwargs)))
+    # cooperative: the next __new__ after DataLoader in the class's MRO (a mixin's, or
+    # object's, which takes the class alone)
+    new = super(DataLoader, target).__new__
+    return new(target) if new is object.__new__ else new(target, *args, **kwargs)
 
 
 def _choose(args, kwargs):

@@ -3,6 +3,28 @@
 The layout and the header are slot_format's; this module fills the data region,
 the small block and the skeleton, and rebuilds the batch from them (the module
 docstring of slot_format.py describes what a decoded batch's tensors are).
+
+What main trusts in what it reads from shared memory. The workers run as the same
+user as main, running the user's own dataset code, as DataLoader's do (and
+DataLoader's main unpickles whatever its workers send). So the slots are not a
+security boundary: any process of that user can write them, and a skeleton is a
+pickle, which may call any importable callable. What is checked is what a bug or a
+crash can produce (a torn or stray write, a worker killed mid-publish, a dataset
+that rewrites a slot tensor it kept): it becomes SlotCorrupt (ControlCorrupt for
+the rings and control block) in main, never a read or write outside the slot, a
+crash, a hang or an allocation sized by a corrupt field.
+
+* checked: the header (magic, the batch number and worker echoed, status, every
+  offset and length inside the slot: `check_header`, `slot_format.reply_status`);
+  the skeleton's CRC32 before pickle sees it (integrity, not authenticity); each
+  persistent id (kind, dtype code, alignment; a view is bounded by the lease over
+  the data region or by the private small buffer; a zero-element tensor must have
+  a zero in its shape, so nothing is allocated from a claimed size); the request
+  and resume record bounds; ring counters and capacity (poolloader._ring).
+* not checked: the values of tensor and array bytes (a worker that writes wrong
+  numbers delivers them, as under DataLoader); what the unpickled skeleton builds
+  besides tensors; a worker writing a slot after it returned it (invariant 1 is
+  kept by the code on both sides, not by page protection).
 """
 from __future__ import annotations
 
@@ -291,12 +313,20 @@ class _FallbackUnpickler(pickle.Unpickler):
 
 
 class _SkeletonUnpickler(_FallbackUnpickler):
-    def __init__(self, file, lease: Lease, small: torch.Tensor | None):
+    def __init__(self, file, lease: Lease, small: torch.Tensor | None, pin_small: bool = False):
         super().__init__(file)
         self.lease = lease        # the batch's bytes of the data region [DATA_OFF, data end)
         self.small = small        # private copy of the small block (uint8), or None
+        self.pin_small = pin_small
         self.small_typed = [None] * _NUM_DTYPES
         self.views = 0
+
+    def _small_block(self) -> torch.Tensor:
+        # A batch whose small tensors are all empty has a small block of 0 bytes, and
+        # none is copied: its empty tensors get an empty private buffer of their own.
+        if self.small is None:
+            self.small = torch.empty(0, dtype=torch.uint8, pin_memory=self.pin_small)
+        return self.small
 
     def persistent_load(self, pid):
         # Hot path: one call per tensor of the batch, so it checks only what torch
@@ -308,15 +338,20 @@ class _SkeletonUnpickler(_FallbackUnpickler):
             kind = pid[0]
             if kind == _TS:
                 _, code, off, shape, stride = pid
-                if 0 <= code < _NUM_DTYPES and self.small is not None and not off % ITEMSIZE[code]:
+                if 0 <= code < _NUM_DTYPES and not off % ITEMSIZE[code]:
                     typed = self.small_typed[code]
                     if typed is None:
-                        typed = self.small_typed[code] = self.small.view(DTYPES[code])
+                        typed = self.small_typed[code] = self._small_block().view(DTYPES[code])
                     return typed.as_strided(shape, stride, off // ITEMSIZE[code])
             elif kind == _T:
                 _, code, off, shape, stride, count = pid
                 if 0 <= code < _NUM_DTYPES and off >= DATA_OFF and not off % ITEMSIZE[code]:
                     if count == 0:
+                        # nothing in the slot bounds this tensor: only a shape of zero
+                        # elements is taken (a corrupt one must not size an allocation)
+                        if type(shape) is not tuple or 0 not in shape:
+                            raise SlotCorrupt(f"persistent id {pid!r} claims 0 elements for "
+                                              f"a shape of more")
                         return torch.empty_strided(shape, stride, dtype=DTYPES[code])
                     own = torch.frombuffer(self.lease, dtype=DTYPES[code], count=count,
                                            offset=off - DATA_OFF)
@@ -328,8 +363,7 @@ class _SkeletonUnpickler(_FallbackUnpickler):
                 return self._array(self.lease, DATA_OFF, dtype_str, off, shape, order)
             elif kind == _AS:
                 _, dtype_str, off, shape, order = pid
-                if self.small is not None:
-                    return self._array(self.small.numpy(), 0, dtype_str, off, shape, order)
+                return self._array(self._small_block().numpy(), 0, dtype_str, off, shape, order)
             elif kind == _P:
                 _, blob = pid
                 if type(blob) is bytes:
@@ -397,7 +431,7 @@ def decode(mapping, header: np.ndarray, registry: dict | None = None, on_release
     if small_len:
         small = torch.empty(small_len, dtype=torch.uint8, pin_memory=pin_small)
         small.numpy()[:] = np.frombuffer(mapping, np.uint8, count=small_len, offset=small_off)
-    unpickler = _SkeletonUnpickler(io.BytesIO(skeleton), lease, small)
+    unpickler = _SkeletonUnpickler(io.BytesIO(skeleton), lease, small, pin_small)
     try:
         payload = unpickler.load()
     except SlotCorrupt:

@@ -14,12 +14,18 @@ header and the batch codec), `cuda` (registration, reuse gate, device staging).
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 
 import torch
 from torch._utils import ExceptionWrapper
-from torch.utils.data.dataloader import _BaseDataLoaderIter, _MultiProcessingDataLoaderIter
+from torch.utils.data import IterDataPipe, MapDataPipe
+from torch.utils.data.dataloader import (
+    _BaseDataLoaderIter,
+    _MultiProcessingDataLoaderIter,
+    _sharding_worker_init_fn,
+)
 
 from poolloader import codec, cuda, startup, supervise
 from poolloader import slot_format as fmt
@@ -43,6 +49,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         self._shutdown = True  # until workers exist there is nothing to shut down
         self._shared_start: startup.SharedStart | None = None
         self._unheard: set[int] = set()  # workers that may not have loaded _shared_start yet
+        self._teardown_left: tuple[str, ...] = ()  # _shutdown_workers' steps not yet done
         self._fatal: str | None = None
         self._owner_pid = os.getpid()
         self._workers: list = []
@@ -71,17 +78,22 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
             on_unmap=self._gate.unregister if self._gate else None, backend=loader.shm_backend)
         self._ledger = SlotLedger(self._pool, self._stats, self._gate, size.capacity)
         self._shutdown = False
+        self._teardown_left = self._TEARDOWN
         try:
             self._request_rings = self._pool.control.request_rings
             self._replies = supervise.Replies(self._pool.control, self._workers, self._timeout,
                                               self._stats, on_tick=self._pool.unlink_mapped)
+            init_fn = loader.worker_init_fn
+            if isinstance(self._dataset, (IterDataPipe, MapDataPipe)):
+                # DataLoader's workers shard a datapipe first (by worker and rank)
+                init_fn = functools.partial(_sharding_worker_init_fn, init_fn,
+                                            self._world_size, self._rank)
             # spawn / forkserver: the dataset, init_fn and collate_fn are pickled once
             # into shared memory, not once per worker (poolloader.startup)
             shared = None
             if n and startup.shares(ctx):
                 with supervise.pickling_workers():
-                    shared = startup.SharedStart((self._dataset, loader.worker_init_fn,
-                                                  self._collate_fn))
+                    shared = startup.SharedStart((self._dataset, init_fn, self._collate_fn))
             self._shared_start = shared
             self._unheard = set(range(n)) if shared is not None else set()
             for i in range(n):
@@ -91,9 +103,9 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                     auto_collation=self._auto_collation,
                     collate_fn=None if shared else self._collate_fn,
                     drop_last=self._drop_last, base_seed=int(self._base_seed),
-                    init_fn=None if shared else loader.worker_init_fn, worker_id=i, num_workers=n,
+                    init_fn=None if shared else init_fn, worker_id=i, num_workers=n,
                     pool=self._pool.locator, resume=self._resume.worker_plan(i),
-                    shared=shared.ticket if shared else None)
+                    shared=shared.ticket if shared else None, shared_seed=self._shared_seed)
                 self._workers.append(supervise.start_worker(ctx, worker_loop, (cfg,)))
             supervise.track(self)
             self._stats._attach(self._pool, self._ledger)
@@ -140,6 +152,8 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         self._workers_num_tasks = [0] * self._num_workers
         self._worker_queue_idx_cycle = itertools.cycle(range(self._num_workers))
         self._sampler_exhausted = False
+        self._puts_owed = 0  # requests a failed _try_put_index still owes (see there)
+        self._unsent: tuple | None = None  # (index, worker) drawn by one of them, not sent
         self._resume.position_epoch(self, first_iter)  # after _reclaim_all; applies a loaded state
         for _ in range(self._prefetch_factor * self._num_workers):
             self._try_put_index()
@@ -196,33 +210,59 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
 
     # -- requests --------------------------------------------------------------
     def _try_put_index(self) -> None:
-        # DataLoader's _try_put_index, call for call; the slot is taken only once
-        # the index and the worker are known.
-        max_tasks = self._prefetch_factor * self._num_workers
-        try:
-            index = self._next_index()
-        except StopIteration:
-            self._sampler_exhausted = True
-            return
-        for _ in range(self._num_workers):
-            worker = next(self._worker_queue_idx_cycle)
-            if self._workers_status[worker]:
-                if self._in_order:
-                    break
-                if self._workers_num_tasks[worker] < max_tasks // sum(self._workers_status):
-                    break
+        """DataLoader's _try_put_index, call for call. A call that raises (no shared
+        memory for a slot, an index that cannot be pickled) stays owed: its index and
+        worker are kept, and the next call (or next()) sends it first, so no index is
+        lost and the prefetch depth comes back."""
+        self._puts_owed += 1
+        self._send_owed()
+
+    def _send_owed(self) -> None:
+        while self._puts_owed:
+            self._put_one()  # raises: still owed
+            self._puts_owed -= 1
+
+    def _put_one(self) -> None:
+        # the slot is taken only once the index and the worker are known
+        if self._unsent is not None:
+            index, worker = self._unsent
+            if not self._workers_status[worker]:
+                # its worker ended meanwhile (iterable): DataLoader would have sent it
+                # there, and nothing would have come of it
+                self._unsent = None
+                return
         else:
-            return
-        request = fmt.pickle_request(index)
+            max_tasks = self._prefetch_factor * self._num_workers
+            try:
+                index = self._next_index()
+            except StopIteration:
+                self._sampler_exhausted = True
+                return
+            for _ in range(self._num_workers):
+                worker = next(self._worker_queue_idx_cycle)
+                if self._workers_status[worker]:
+                    if self._in_order:
+                        break
+                    if self._workers_num_tasks[worker] < max_tasks // sum(self._workers_status):
+                        break
+            else:
+                return
         ledger = self._ledger
-        slot = ledger.take(fmt.request_slot_bytes(request))
+        slot = None
         try:
+            request = fmt.pickle_request(index)
+            slot = ledger.take(fmt.request_slot_bytes(request))
             fmt.write_request(ledger.mapping(slot), ledger.header(slot), self._send_idx,
-                              self._epoch, worker, request)
+                              self._epoch, worker, request, self._shared_seed)
             ledger.inflight[slot] = (self._send_idx, worker)
         except BaseException:
-            ledger.give_back(slot)
+            if slot is not None:
+                ledger.give_back(slot)
+            # drawn and counted (the resume tracker's pending, for in_order=False, has
+            # it under this same send index): kept for the retry, never dropped
+            self._unsent = (index, worker)
             raise
+        self._unsent = None
         try:
             self._request_rings[worker].push(slot, timeout=None)  # capacity: every slot
         except ControlCorrupt as e:
@@ -297,6 +337,8 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
             if self._ended:
                 raise StopIteration
             raise RuntimeError(self._dead_message())
+        if self._puts_owed:  # requests an earlier call could not send go first
+            self._send_owed()
         ledger = self._ledger
         while True:
             while self._rcvd_idx < self._send_idx:
@@ -382,34 +424,72 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         self._fatal = f"{type(error).__name__}: {error}"
         self._shutdown_workers()
 
+    # The teardown steps, in order (methods below).
+    _TEARDOWN = ("_close_requests", "_stop_workers", "_close_shared_start", "_close_replies",
+                 "_close_stager", "_close_ledger", "_detach_stats", "_close_pool", "_untrack")
+
     def _shutdown_workers(self) -> None:
         """The one place that stops everything, in order: close the request rings
         (wakes and ends every worker) → the ladder → unlink every name and drop the
-        mappings. Idempotent; does nothing in a forked child."""
-        if self._shutdown or os.getpid() != self._owner_pid:
+        mappings. Idempotent; does nothing in a forked child.
+
+        Each step runs in its own try: one that raises (a second Ctrl-C during the
+        join) does not keep the later ones from running, and the first error is raised
+        at the end. A step is recorded as done only once it returned, so a later call
+        (atexit, __del__) runs only what is left."""
+        if os.getpid() != self._owner_pid:
             return
         self._shutdown = True
+        error: BaseException | None = None
+        for step in self._teardown_left:
+            try:
+                getattr(self, step)()
+            except BaseException as e:
+                error = error or e
+                continue
+            self._teardown_left = tuple(s for s in self._teardown_left if s != step)
+        if error is not None:
+            raise error
+
+    def _close_requests(self) -> None:
         try:
             for ring in getattr(self, "_request_rings", ()):
                 ring.close()
         finally:
-            supervise.stop(self._workers)
-            if self._shared_start is not None:
-                self._shared_start.close()
-                self._shared_start = None
-            self._request_rings = []
-            if self._replies is not None:
-                self._replies.close()
-            if self._stager is not None:
-                self._stager.close()
-            if self._ledger is not None:
-                # bounded wait for every copy that may still read a cooling, leased or
-                # staged slot, on every stream and device; then the pool unregisters
-                self._ledger.close()
-            if self._pool is not None:
-                self._stats._detach(self._pool)
-                self._pool.close()
-            supervise.untrack(self)
+            self._request_rings = []  # a ring keeps the control block mapped
+
+    def _stop_workers(self) -> None:
+        supervise.stop(self._workers)
+
+    def _close_shared_start(self) -> None:
+        if self._shared_start is not None:
+            self._shared_start.close()
+            self._shared_start = None
+
+    def _close_replies(self) -> None:
+        if self._replies is not None:
+            self._replies.close()
+
+    def _close_stager(self) -> None:
+        if self._stager is not None:
+            self._stager.close()
+
+    def _close_ledger(self) -> None:
+        if self._ledger is not None:
+            # bounded wait for every copy that may still read a cooling, leased or
+            # staged slot, on every stream and device; then the pool unregisters
+            self._ledger.close()
+
+    def _detach_stats(self) -> None:
+        if self._pool is not None:
+            self._stats._detach(self._pool)
+
+    def _close_pool(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+
+    def _untrack(self) -> None:
+        supervise.untrack(self)
 
     def _shutdown_at_exit(self) -> None:
         """From atexit or a finaliser: no CUDA call (the process or the object is going

@@ -389,6 +389,7 @@ class WorkerSlots:
         """Whether main (the pool's owner) still lives: its owner lock (segments.py)."""
         return self.attachment.owner_alive()
 
+    is_alive = owner_alive  # what supervise.parent_process_through asks
     def sync(self) -> None:
         """Map what changed. Sets `dropped` if a slot's mapping was dropped or replaced
         (the caller then drops what it caches per mapping: SlotWriter.forget_stale)."""

@@ -44,7 +44,7 @@ import torch
 from poolloader.errors import SlotCorrupt
 
 SLOT_MAGIC = 0x746F6C536C50  # "PlSlot"
-HEADER_FIELDS = 16
+HEADER_FIELDS = 17
 (F_MAGIC,          # SLOT_MAGIC
  F_STATUS,         # one of the ST_* values
  F_SEQ,            # the batch's send index (main writes, worker echoes: main's ownership check)
@@ -61,7 +61,9 @@ HEADER_FIELDS = 16
  F_SKELETON_CRC,   # zlib.crc32 of the skeleton: a torn or stray write never reaches pickle
  F_STATE_OFF,      # where the worker's resume state of this reply starts (write_state)
  F_STATE_LEN,      # its length in bytes (0: none)
- ) = range(16)
+ F_SHARED_SEED,    # the epoch's shared seed (DataLoader's _shared_seed: IterDataPipe
+                   # shuffles draw from it); main writes, a worker reads it at a new epoch
+ ) = range(HEADER_FIELDS)
 REQUEST_OFF = HEADER_FIELDS * 8
 DATA_OFF = 65536
 REQUEST_MAX = DATA_OFF - REQUEST_OFF
@@ -138,8 +140,9 @@ def request_slot_bytes(request: bytes) -> int:
 
 
 def write_request(mapping, header: np.ndarray, seq: int, epoch: int, worker: int,
-                  request: bytes) -> None:
-    """Main, owning the slot: the pickled index and the fields the worker echoes.
+                  request: bytes, shared_seed: int | None = None) -> None:
+    """Main, owning the slot: the pickled index, the fields the worker echoes, and the
+    epoch's shared seed (None: the dataset is not an IterDataPipe).
 
     An index larger than the request area goes at DATA_OFF; the caller has made the
     slot large enough (request_slot_bytes)."""
@@ -150,6 +153,7 @@ def write_request(mapping, header: np.ndarray, seq: int, epoch: int, worker: int
     memoryview(mapping)[off:off + len(request)] = request
     header[F_REQUEST_OFF] = off
     header[F_REQUEST_LEN] = len(request)
+    header[F_SHARED_SEED] = 0 if shared_seed is None else shared_seed
     stamp(header, seq, epoch, worker)
     header[F_STATUS] = ST_REQUESTED
 
@@ -164,6 +168,11 @@ def stamp(header: np.ndarray, seq: int, epoch: int, worker: int) -> None:
 
 def request_epoch(header: np.ndarray) -> int:
     return int(header[F_EPOCH])
+
+
+def request_shared_seed(header: np.ndarray) -> int:
+    """Worker: the shared seed of the request's epoch (see write_request)."""
+    return int(header[F_SHARED_SEED])
 
 
 def read_request(mapping, header: np.ndarray):

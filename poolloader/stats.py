@@ -56,6 +56,18 @@ class LoaderStats:
         self._pool = None
         self._ledger = None
 
+    def __getstate__(self) -> dict:
+        # pickle / deepcopy (of a loader mid-epoch, as DataLoader allows): the copy
+        # holds the counters as they read now, without the live pool (shared memory
+        # cannot be copied; the copy's loader makes its own pool when iterated)
+        state = dict(self.__dict__)
+        pool = self._live_pool()
+        if pool is not None:
+            state["_closed_workers"] = [self._worker_column(c) for c in range(3)]
+            state["_closed_peak"] = (self.peak_slot_count, self.peak_pool_bytes)
+        state["_pool"] = state["_ledger"] = None
+        return state
+
     def _attach(self, pool, ledger=None) -> None:
         self._pool = pool
         self._ledger = ledger

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import multiprocessing.process
 import signal
 import threading
 import time
@@ -99,6 +100,47 @@ def start_worker(ctx, target, args):
         process._sentinel = None
         popen.wait = lambda timeout=None: _poll_wait(popen, timeout)
     return process
+
+
+# -- CPython adapter: multiprocessing.parent_process() in a worker -----------------------
+# multiprocessing's _ParentProcess answers is_alive()/join() from a pipe whose other end
+# main holds; start_worker closes those ends (no pipe per worker in main), so a worker
+# would read its parent as dead while main lives. This block is the only code that
+# touches multiprocessing's private parent object.
+
+class _ParentThroughOwner(multiprocessing.process._ParentProcess):  # type: ignore[name-defined]
+    """A worker's parent_process(): same name, pid and sentinel as multiprocessing's;
+    is_alive() and join() ask `owner` whether main lives (its `sentinel` still reads
+    as closed: nothing holds the other end)."""
+
+    def __init__(self, name, pid, sentinel, owner) -> None:
+        super().__init__(name, pid, sentinel)
+        self._owner = owner
+
+    def is_alive(self) -> bool:
+        return self._owner.is_alive()
+
+    def join(self, timeout=None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._owner.is_alive():
+            pause = 0.01
+            if deadline is not None:
+                pause = min(pause, deadline - time.monotonic())
+                if pause <= 0:
+                    return
+            time.sleep(pause)
+
+
+def parent_process_through(owner) -> None:
+    """In a worker: `multiprocessing.parent_process()` answers `is_alive()` and `join()`
+    through `owner` (whose `is_alive()` says whether main lives: the pool's owner
+    probe), as it answers under DataLoader. Under forkserver too (main keeps those
+    pipes there, and the probe gives the same answer)."""
+    parent = multiprocessing.process._parent_process  # type: ignore[attr-defined]
+    if parent is None or isinstance(parent, _ParentThroughOwner):
+        return
+    multiprocessing.process._parent_process = _ParentThroughOwner(  # type: ignore[attr-defined]
+        parent.name, parent.pid, parent._sentinel, owner)
 
 
 def join_all(processes, timeout: float) -> None:

@@ -16,12 +16,14 @@ from typing import Any
 
 import torch
 from torch._utils import ExceptionWrapper
+from torch.utils.data import IterDataPipe
 from torch.utils.data._utils import signal_handling
 from torch.utils.data._utils import worker as torch_worker
 from torch.utils.data._utils.collate import default_collate
 from torch.utils.data._utils.worker import WorkerInfo, _generate_state
+from torch.utils.data.graph_settings import apply_random_seed
 
-from poolloader import codec, resume, startup
+from poolloader import codec, resume, startup, supervise
 from poolloader import collate as slot_collate_mod
 from poolloader import slot_format as fmt
 from poolloader.errors import RingClosed, RingTimeout
@@ -47,6 +49,7 @@ class WorkerConfig:
     # startup.SharedStart.ticket: dataset, init_fn and collate_fn are loaded from there
     # (spawn / forkserver; None: they came with this config)
     shared: tuple | None = None
+    shared_seed: int | None = None  # DataLoader's _shared_seed (IterDataPipe shuffles)
 
 
 def _parent_alive(slots: WorkerSlots) -> bool:
@@ -86,10 +89,17 @@ def worker_loop(cfg: WorkerConfig) -> None:
             np.random.seed(_generate_state(cfg.base_seed, cfg.worker_id))
         except ImportError:
             pass
+        dataset = cfg.dataset
+        if isinstance(dataset, IterDataPipe):
+            # as DataLoader's worker: the pipe's shuffles draw from the epoch's shared seed
+            if cfg.shared_seed is None:
+                raise RuntimeError("internal error: an IterDataPipe worker without a shared seed")
+            dataset = apply_random_seed(dataset, torch.Generator().manual_seed(cfg.shared_seed))
         torch_worker._worker_info = WorkerInfo(
-            id=cfg.worker_id, num_workers=cfg.num_workers, seed=seed, dataset=cfg.dataset)
+            id=cfg.worker_id, num_workers=cfg.num_workers, seed=seed, dataset=dataset)
 
         slots = WorkerSlots(cfg.pool, cfg.worker_id)
+        supervise.parent_process_through(slots)  # parent_process().is_alive(), as DataLoader's
         control = slots.control
         request_ring = control.request_rings[cfg.worker_id]
         done_ring = control.done_rings[cfg.worker_id]
@@ -102,11 +112,11 @@ def worker_loop(cfg: WorkerConfig) -> None:
 
         def new_fetcher():
             return _DatasetKind.create_fetcher(
-                cfg.dataset_kind, cfg.dataset, cfg.auto_collation, collate_fn, cfg.drop_last)
+                cfg.dataset_kind, dataset, cfg.auto_collation, collate_fn, cfg.drop_last)
 
         init_exception = None
         fetcher = None
-        progress = resume.WorkerProgress(cfg.resume, cfg.dataset,
+        progress = resume.WorkerProgress(cfg.resume, dataset,
                                          cfg.dataset_kind == _DatasetKind.Iterable)
         try:
             if cfg.init_fn is not None:
@@ -146,6 +156,9 @@ def worker_loop(cfg: WorkerConfig) -> None:
                 if req_epoch != epoch:
                     epoch = req_epoch
                     iteration_end = False
+                    if isinstance(dataset, IterDataPipe):  # DataLoader's _ResumeIteration
+                        dataset = apply_random_seed(dataset, torch.Generator().manual_seed(
+                            fmt.request_shared_seed(header)))
                     if init_exception is None:
                         try:  # an IterableDataset's __iter__ runs here
                             fetcher = progress.epoch_fetcher(new_fetcher)

@@ -94,6 +94,24 @@ class SeedInfoDataset(Dataset):
                              torch.initial_seed() % 1000003])
 
 
+class ParentProcessDataset(Dataset):
+    """Each sample: what multiprocessing.parent_process() says in the worker (alive, its
+    pid and name, whether join(0.05) waited as for a live parent)."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        import multiprocessing
+
+        parent = multiprocessing.parent_process()
+        t0 = time.monotonic()
+        parent.join(0.05)
+        waited = time.monotonic() - t0
+        return {"alive": parent.is_alive(), "pid": parent.pid, "name": parent.name,
+                "join_waited": 0.04 <= waited < 5.0}
+
+
 def record_init(worker_id):
     torch.manual_seed(1000 + worker_id)
 

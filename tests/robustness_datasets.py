@@ -152,3 +152,19 @@ class TaggedSamples(Dataset):
         value = self.tag * 1000 + i
         return {"index": i, "tag": self.tag, "name": f"tag{self.tag}-sample{i}",
                 "image": torch.full((3, 16, 16), float(value), dtype=torch.float64)}
+
+
+class StallsAfter(Dataset):
+    """Samples below `fast` come at once; every later one takes `stall` seconds, so a
+    worker asked for it is busy (and not leaving) for that long."""
+
+    def __init__(self, fast=2, stall=20.0, n=40):
+        self.fast, self.stall, self.n = fast, stall, n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i >= self.fast:
+            time.sleep(self.stall)
+        return torch.full((100_000,), float(i))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import pickle
 import signal
 import sys
 import warnings
@@ -11,9 +12,11 @@ import warnings
 import loader_datasets as ds
 import pytest
 import torch
+from compare import assert_same, both_loaders, pool_only
 from torch.utils.data import DataLoader, TensorDataset
 
 from poolloader import PoolLoader, WorkerDied
+from poolloader.errors import ShmSpaceError
 
 BOTH = (DataLoader, PoolLoader)
 
@@ -83,6 +86,116 @@ def test_refill_error_never_replaces_a_decoded_batch():
     assert delivered[PoolLoader][:len(delivered[DataLoader])] == delivered[DataLoader]
     assert len(delivered[PoolLoader]) == len(delivered[DataLoader]) + 1
     assert delivered[PoolLoader] == [[2 * i, 2 * i + 1] for i in range(len(delivered[PoolLoader]))]
+
+
+def _deliveries(it, clone=lambda b: b[0].clone()):
+    """One delivered batch: (a copy of it, the requests sent so far: the prefetch depth)."""
+    batch = next(it)
+    return clone(batch), it._send_idx
+
+
+def test_a_request_refused_for_shared_memory_is_sent_later():
+    """With shm_limit, a request that needs a new slot while the consumer holds batches
+    fails (ShmSpaceError, raised by the next call, and again while they are held); once
+    they are dropped, the index drawn for it goes out: every batch of DataLoader's
+    arrives, and the prefetch depth is DataLoader's again (one short only between the
+    refusal and the retry)."""
+    data = TensorDataset(torch.arange(24 * 100_000, dtype=torch.float32).view(24, 100_000))
+    limit = (5 << 20) + 4096 + (512 << 10)  # 5 one-MiB slots and the control block, not 6
+
+    def run(loader):
+        it = iter(loader)
+        held, out = [], []
+        for _ in range(2):  # the consumer keeps the first two batches
+            held.append(next(it))
+            out.append((held[-1][0].clone(), it._send_idx))
+        if isinstance(loader, PoolLoader):
+            for _ in range(2):  # the refill's error, then the retry while still held
+                with pytest.raises(ShmSpaceError, match="still hold"):
+                    next(it)
+        del held
+        gc.collect()
+        while True:
+            try:
+                out.append(_deliveries(it))
+            except StopIteration:
+                return out
+    ref, got = both_loaders(lambda cls: cls(
+        data, batch_size=2, num_workers=2, prefetch_factor=2,
+        **pool_only(cls, slots=5, max_slots=6, shm_limit=limit)), run)
+    assert_same([b for b, _ in ref], [b for b, _ in got])
+    depth_ref, depth_got = [d for _, d in ref], [d for _, d in got]
+    assert depth_got[1] == depth_ref[1] - 1, (depth_ref, depth_got)
+    del depth_got[1], depth_ref[1]
+    assert depth_got == depth_ref
+
+
+class FlakyIndex(list):
+    """A batch of indices whose first pickling fails (in this process only)."""
+
+    failed: set = set()
+
+    def __reduce__(self):
+        if self[0] not in FlakyIndex.failed:
+            FlakyIndex.failed.add(self[0])
+            raise pickle.PicklingError(f"index {list(self)} cannot be pickled (once)")
+        return list, (list(self),)
+
+
+class FlakyOnce:
+    """Batches of 2; the one starting at `flaky` is a FlakyIndex (None: none is)."""
+
+    def __init__(self, n, flaky):
+        self.n, self.flaky = n, flaky
+
+    def __iter__(self):
+        for i in range(0, self.n, 2):
+            yield FlakyIndex([i, i + 1]) if i == self.flaky else [i, i + 1]
+
+    def __len__(self):
+        return self.n // 2
+
+
+def test_an_index_that_fails_to_pickle_once_is_sent_on_the_next_call():
+    """A request that cannot be pickled raises on the next call (as a refill error);
+    the call after sends it again, and nothing is lost: the batches are DataLoader's
+    for the same indices (with DataLoader the index is pickled by a queue thread, where
+    an error loses it and the loader waits for it forever: it gets plain lists)."""
+    data = TensorDataset(torch.arange(40))
+    FlakyIndex.failed.clear()
+
+    def run(loader):
+        it = iter(loader)
+        out = []
+        while True:
+            try:
+                out.append(_deliveries(it, lambda b: b[0].tolist()))
+            except StopIteration:
+                return out
+            except pickle.PicklingError:
+                assert isinstance(loader, PoolLoader)
+                out.append(("raised", None))
+    ref, got = both_loaders(lambda cls: cls(
+        data, batch_sampler=FlakyOnce(40, 10 if cls is PoolLoader else None), num_workers=2,
+        prefetch_factor=2), run)
+    assert ("raised", None) in got
+    raised = got.index(("raised", None))
+    got.pop(raised)
+    assert [b for b, _ in got] == [b for b, _ in ref] == [[i, i + 1] for i in range(0, 40, 2)]
+    depth_ref, depth_got = [d for _, d in ref], [d for _, d in got]
+    # one short right after the failed refill, DataLoader's again from the next batch
+    assert depth_got[raised - 1] == depth_ref[raised - 1] - 1, (raised, depth_ref, depth_got)
+    del depth_got[raised - 1], depth_ref[raised - 1]
+    assert depth_got == depth_ref
+
+
+def test_a_batch_of_only_empty_tensors_equals_dataloaders():
+    """Every small tensor of the batch is empty (shape (40960, 0), and a (0,) label): no
+    small block is copied, and the batch is still DataLoader's."""
+    data = TensorDataset(torch.empty(2 * 40_960, 0), torch.empty(2 * 40_960, 0, dtype=torch.int64))
+    ref, got = both_loaders(lambda cls: cls(data, batch_size=40_960, num_workers=2))
+    assert len(got) == len(ref) == 2 and got[0][0].shape == (40_960, 0)
+    assert_same(ref, got)
 
 
 def nested_collate(batch):

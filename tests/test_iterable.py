@@ -368,3 +368,27 @@ def test_webdataset_parity_with_forkserver_workers(urls):
                       multiprocessing_context="forkserver")
     assert pl == dl
     assert sum(len(image_ids(b)) for b in dl[0]) == _samples_in(subset)
+
+
+# -- IterDataPipe pipelines (torch.utils.data.datapipes) ----------------------------------------
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_datapipe_shuffle_and_sharding_parity(persistent):
+    """`.shuffle().sharding_filter()` with 2 workers: DataLoader shards the pipe in each
+    worker (every element once per epoch, not once per worker) and reseeds the shuffle
+    from its shared seed every epoch, persistent workers included; same order here."""
+    from torch.utils.data.datapipes.iter import IterableWrapper
+
+    def make(cls):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch: datapipes are deprecated
+            pipe = IterableWrapper(range(22)).shuffle().sharding_filter()
+        return cls(pipe, batch_size=4, num_workers=2, persistent_workers=persistent)
+
+    def run(loader):
+        return [[b.tolist() for b in loader] for _ in range(3)]
+    ref, got = both_loaders(make, run)
+    assert got == ref
+    for epoch in got:
+        assert sorted(x for batch in epoch for x in batch) == list(range(22))
+    assert got[0] != got[1] != got[2]  # reshuffled every epoch

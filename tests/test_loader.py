@@ -1,9 +1,11 @@
 """PoolLoader against DataLoader: one body, two loaders, bit-for-bit equal batches."""
 from __future__ import annotations
 
+import copy
 import gc
 import inspect
 import os
+import pickle
 import signal
 import time
 import warnings
@@ -98,6 +100,17 @@ def test_parity_worker_info_seed_and_init_fn():
     parity(ds.SeedInfoDataset(), batch_size=2, num_workers=3, worker_init_fn=ds.record_init)
 
 
+@pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
+def test_parent_process_in_a_worker_is_alive_as_under_dataloader(context):
+    """multiprocessing.parent_process() in a worker: alive, main's pid and name, and
+    join(timeout) waits, under every start method (PoolLoader closes the pipe ends the
+    stock answer comes from; the worker asks the pool's owner probe instead)."""
+    [batches] = parity(ds.ParentProcessDataset(), batch_size=2, num_workers=2,
+                     multiprocessing_context=context)
+    assert all(b["alive"].all() and b["join_waited"].all() for b in batches), batches
+    assert all((b["pid"] == os.getpid()).all() for b in batches), batches
+
+
 def test_parity_prefetch_and_out_of_order():
     parity(ds.AugmentDataset(n=25), batch_size=2, num_workers=2, prefetch_factor=4)
     # in_order=False: same multiset of batches
@@ -145,6 +158,38 @@ def test_dataloader_surface():
     clone = type(loader)(**{k: getattr(loader, k) for k in keep})
     assert clone.slots == 9 and clone.prefetch_factor == 3 and clone.timeout == 30
     assert [b["index"].tolist() for b in clone] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("how", ["pickle", "deepcopy"])
+def test_pickle_and_deepcopy_mid_epoch_as_dataloader(how, persistent):
+    """A loader copied mid-epoch: DataLoader's copy works (its iterator is not kept) and
+    iterates from the start; with persistent workers DataLoader refuses (its kept
+    iterator cannot be pickled): PoolLoader does the same, with the same exception type.
+    The copy's stats read what the original's did, and the copy has no pool of its own
+    until iterated."""
+    copy_of = {"pickle": lambda x: pickle.loads(pickle.dumps(x)), "deepcopy": copy.deepcopy}[how]
+    data = TensorDataset(torch.arange(40))
+
+    def run(loader):
+        it = iter(loader)
+        first = next(it)
+        try:
+            clone = copy_of(loader)
+        except Exception as e:  # noqa: BLE001 - the outcome is what is compared
+            return first, type(e), None
+        if isinstance(loader, PoolLoader):
+            assert clone.stats.batches == loader.stats.batches == 1
+            # workers go on prefetching: the original's count may have grown since
+            assert 0 < clone.stats.worker_batches <= loader.stats.worker_batches
+            assert clone.stats.slot_count == 0 and loader.stats.slot_count > 0
+        return first, None, [b[0].tolist() for b in clone]
+
+    ref, got = both_loaders(
+        lambda cls: cls(data, batch_size=4, num_workers=2, persistent_workers=persistent), run)
+    assert_same(ref[0], got[0])
+    assert got[1] is ref[1] and (ref[1] is None) == (not persistent), (ref[1], got[1])
+    assert got[2] == ref[2]
 
 
 def test_creates_nothing_until_iterated():

@@ -69,8 +69,9 @@ def test_decoder_fuzz_never_escapes_the_slot():
     numpy/sparse/namedtuple/dataclass, slot_collate'd, a worker error): random header
     fields, bit flips in the skeleton with and without a consistent checksum, spliced and
     random skeletons, forged persistent ids, bit flips in the data region. decode must
-    raise SlotCorrupt or return views inside the data region; never crash, hang, or
-    reach a side effect. Runs in a child: a segfault fails this test, not pytest."""
+    raise SlotCorrupt or return views inside the data region, allocating no more tensor
+    bytes than the slot holds; never crash, hang (the child's timeout), or reach a side
+    effect. Runs in a child: a segfault fails this test, not pytest."""
     proc = run_child("fuzz", 400, timeout=150)
     print(proc.stdout)
     assert proc.returncode == 0, (
@@ -260,6 +261,41 @@ def test_signal_to_main_mid_epoch_exits_and_cleans_up(mode):
         if child.poll() is None:
             os.killpg(child.pid, signal.SIGKILL)
             child.wait(10)
+
+
+def test_ctrl_c_during_the_join_still_closes_the_pool_and_a_later_call_finishes():
+    """A second Ctrl-C while shutdown waits for busy workers (the join ladder) raises
+    KeyboardInterrupt, but the pool is closed anyway (names unlinked, mappings
+    dropped); a later call (atexit, __del__) finishes what the interrupt cut short."""
+    loader = PoolLoader(rds.StallsAfter(fast=2, stall=20.0), batch_size=1, num_workers=2,
+                        prefetch_factor=1)
+    it = iter(loader)
+    assert [int(next(it)[0][0]) for _ in range(2)] == [0, 1]  # now both workers stall
+    prefix, pids = it.shm_prefix, it.worker_pids
+    tag = prefix.lstrip("/")
+
+    def ours_mapped():
+        return [path for _, _, path in proc.maps() if tag in path]
+    assert names_with(prefix) and ours_mapped()
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)  # inside the 1 s join: the workers are busy
+        with pytest.raises(KeyboardInterrupt):
+            it._shutdown_workers()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    gc.collect()
+    assert not names_with(prefix), names_with(prefix)
+    assert not ours_mapped(), ours_mapped()
+    it._shutdown_workers()  # what atexit or __del__ would call
+    assert wait_until(lambda: not any(running(p) for p in pids), 5.0), pids
+    assert it._teardown_left == ()
+    with pytest.raises(RuntimeError, match="shut down"):
+        next(it)
 
 
 # -- 4. exceptions in __iter__, unpicklable batches ------------------------------------------
@@ -514,3 +550,20 @@ def test_two_processes_with_their_own_loaders_at_once():
             if child.poll() is None:
                 child.kill()
                 child.wait(10)
+
+
+# -- 8. the at-fork hook while other threads make mappings -------------------------------------
+
+@pytest.mark.timeout(300)
+def test_fork_hook_is_safe_while_another_thread_makes_mappings():
+    """The hook that makes leased mappings inheritable runs at every fork, whatever
+    other threads do meanwhile: 200 forks from a thread, with a 1 µs switch interval and
+    a thread making and dropping mappings, each child reads the mapping leased just
+    before its fork; the hook never reports an error (a WeakSet walk used to raise
+    'Set changed size during iteration' and leave leased mappings out of the child)."""
+    proc = run_child("fork_hook_threads", 200, timeout=280)
+    assert proc.returncode == 0, f"child exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    assert "changed size" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr[-4000:]
+    out = figures(proc.stdout)
+    assert int(out["bad_children"]) == 0 and int(out["unraisable"]) == 0, proc.stdout
+    assert int(out["churned"]) > 0  # the other thread did run meanwhile

@@ -205,6 +205,50 @@ def test_nothing_left_behind(both_arms, standin):
     _assert_nothing_left(pids, str(standin))
 
 
+INTROSPECT = '''
+import inspect, json, sys
+from torch.utils.data import DataLoader
+from poolloader import PoolLoader
+
+
+class Mixin:
+    made = []
+
+    def __new__(cls, *args, **kwargs):  # cooperative: DataLoader's __new__ must reach it
+        Mixin.made.append(cls.__name__)
+        return super().__new__(cls)
+
+
+class WithMixin(DataLoader, Mixin):
+    pass
+
+
+class OwnInit(DataLoader):
+    def __init__(self, n, flavour="plain"):
+        super().__init__(list(range(n)))
+
+
+built = [type(WithMixin(list(range(4)), num_workers=1)).__name__, type(OwnInit(3)).__name__]
+print(json.dumps({"signatures": [str(inspect.signature(c))
+                                 for c in (DataLoader, PoolLoader, WithMixin, OwnInit)],
+                  "built": built, "mixin_new": Mixin.made}))
+'''
+
+
+def test_introspection_and_construction_under_the_runner_are_pythons(tmp_path):
+    """Under the runner, inspect.signature(DataLoader) (and of PoolLoader, of subclasses)
+    is what python gives (tools configure loaders from it: LightningCLI, jsonargparse),
+    and DataLoader's __new__ hands on to the next __new__ in a subclass's MRO."""
+    script = tmp_path / "introspect.py"
+    script.write_text(INTROSPECT)
+    plain = _run([sys.executable, str(script)], cwd=tmp_path)
+    ran = _run(_runner(str(script)), cwd=tmp_path)
+    assert plain[0] == ran[0] == 0, (plain[2][-2000:], ran[2][-2000:])
+    assert json.loads(ran[1]) == json.loads(plain[1])
+    assert json.loads(ran[1])["mixin_new"] == ["WithMixin"]
+    assert "(a DataLoader subclass, built as written)" in ran[2]  # the hook was in place
+
+
 @pytest.mark.parametrize("error", ["ValueError", "KeyboardInterrupt"])
 def test_uncaught_exception_keeps_its_traceback_and_exit(tmp_path, error):
     script = tmp_path / "boom.py"
@@ -340,6 +384,10 @@ def test_accelerate_prepare_keeps_the_pool(accelerate_state):
     assert type(expected_resumed.base_dataloader) is DataLoader
     assert [b[0].tolist() for b in resumed] == [b[0].tolist() for b in expected_resumed]
     assert resumed.base_dataloader.stats.batches == 7
+    # without the runner nothing of DataLoader stays changed (the runner's hook is not
+    # installed; the call recording is undone)
+    assert "__new__" not in DataLoader.__dict__
+    assert not hasattr(DataLoader.__init__, "__wrapped__")
 
 
 def test_plain_accelerate_prepare_warns_once_that_the_pool_is_dropped(accelerate_state):

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import collections
 import gc
+import io
 import pickle
 import warnings
+import zlib
 
 import numpy as np
 import pytest
@@ -168,3 +170,70 @@ def test_writer_warns_when_a_slot_tensor_outlives_its_batch(slot):
         warnings.simplefilter("error")
         other.begin(mapping, 0)  # nothing kept: no warning
     other.end()
+
+
+class _Pid:
+    def __init__(self, value):
+        self.value = value
+
+
+def rewrite_persistent_ids(mapping, header, change) -> None:
+    """Re-pickle the slot's skeleton with every persistent id passed through `change`,
+    with a consistent checksum: what a stray write the checksum cannot see would give."""
+    off, n = int(header[fmt.F_SKELETON_OFF]), int(header[fmt.F_SKELETON_LEN])
+
+    class Reader(pickle.Unpickler):
+        def persistent_load(self, pid):
+            return _Pid(change(pid))
+
+    class Writer(pickle.Pickler):
+        def persistent_id(self, obj):
+            return obj.value if type(obj) is _Pid else None
+
+    payload = Reader(io.BytesIO(bytes(memoryview(mapping)[off:off + n]))).load()
+    buf = io.BytesIO()
+    Writer(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(payload)
+    blob = buf.getvalue()
+    memoryview(mapping)[off:off + len(blob)] = blob
+    header[fmt.F_SKELETON_LEN] = len(blob)
+    header[fmt.F_SKELETON_CRC] = zlib.crc32(blob)
+
+
+def test_a_zero_count_with_a_nonempty_shape_is_refused(slot):
+    """A tensor id's count bounds its view by the slot; a count of 0 (an empty tensor)
+    has nothing in the slot to bound it, so its shape must hold no element: a corrupt
+    one is an error, never an allocation of the size it claims (it was 1 GiB here)."""
+    mapping, header = slot
+    encode(mapping, header, {"big": torch.ones(100_000), "empty": torch.ones(0, 100_000)})
+
+    changed = []
+
+    def zero_count(pid):
+        if pid[0] != fmt._T:
+            return pid  # the empty tensor: a small-block id
+        kind, code, off, shape, stride, count = pid
+        changed.append(pid)
+        return (kind, code, off, (1 << 28,), (1,), 0)  # 1 GiB of float32, count 0
+    payload, lease = codec.decode(mapping, header)  # the honest slot decodes as it was
+    assert payload["empty"].shape == (0, 100_000) and torch.equal(payload["big"], torch.ones(100_000))
+    del payload, lease
+    rewrite_persistent_ids(mapping, header, zero_count)
+    assert len(changed) == 1
+    with pytest.raises(SlotCorrupt, match="0 elements"):
+        codec.decode(mapping, header)
+
+
+def test_a_batch_of_only_empty_small_tensors_decodes(slot):
+    """Every small tensor empty: the small block has 0 bytes (none is copied), and
+    each empty tensor and array still comes back with its shape and dtype."""
+    mapping, header = slot
+    batch = {"boxes": torch.empty(40_960, 0), "ids": torch.empty(0, dtype=torch.int64),
+             "array": np.empty((0, 3), np.float32), "name": "x"}
+    encode(mapping, header, batch)
+    assert int(header[fmt.F_SMALL_LEN]) == 0
+    payload, lease = codec.decode(mapping, header)
+    assert lease is None
+    assert payload["boxes"].shape == (40_960, 0) and payload["boxes"].dtype == torch.float32
+    assert payload["ids"].shape == (0,) and payload["ids"].dtype == torch.int64
+    assert payload["array"].shape == (0, 3) and payload["array"].dtype == np.float32
+    assert payload["name"] == "x"
