@@ -136,3 +136,17 @@ def test_close_unlinks_every_name_and_keeps_viewed_memory_mapped(pool):
     assert not mapping.closed  # a view is alive: unmapped when it dies
     view[0:1] = b"x"
     view.release()
+
+
+def test_memfd_space_check_names_the_memory_and_the_knob():
+    from poolloader.memfd import memory_available
+    free, where = memory_available()
+    with open("/proc/meminfo") as f:
+        mem_available = next(int(line.split()[1]) * 1024 for line in f
+                             if line.startswith("MemAvailable:"))
+    assert 0 < free <= mem_available * 1.1 and where  # the tighter of the cgroup and the machine
+    with pytest.raises(ShmSpaceError) as err:
+        SlotPool(num_workers=1, slots=2, max_slots=2, slot_bytes=free, backend="memfd")
+    msg = str(err.value)
+    assert str(2 * page_round(free)) in msg or "bytes of memory" in msg
+    assert "--memory" in msg and "slot_bytes" in msg and "--shm-size does not change it" in msg
