@@ -499,7 +499,9 @@ def fd_limit(limit: str, workers: str, batches: str) -> None:
         print(f"start_error={type(e).__name__}: {e}", flush=True)
         raise
     print(f"start_fds={fds()}", flush=True)
-    # what the pool holds open: its owner lock on the control segment (pool.py)
+    print(f"backend={it._pool.backend}", flush=True)
+    # what the pool holds open: its owner lock on the control segment (pool.py); a
+    # memfd pool also each segment's descriptor until every worker has mapped it
     print(f"pool_fd_targets={' '.join(sorted(targets() - base_targets))}", flush=True)
     got = peak = 0
     for batch in it:
@@ -510,6 +512,16 @@ def fd_limit(limit: str, workers: str, batches: str) -> None:
         del batch, images, masks, targets_
         live = fds()  # the pool is alive until the loop asks past the last batch
         peak = max(peak, live)
+        if got == 90 and it._pool.backend == "memfd":
+            # segments made while workers were busy (each slot's first growth) keep their
+            # descriptor until every worker has synced; idle workers sync at their tick
+            deadline = time.monotonic() + 20
+            while it._pool.unlink_mapped() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            live = fds()
+            print(f"late_fds={live}", flush=True)
+            late = ' '.join(sorted(targets() - base_targets)).replace(' (deleted)', '')
+            print(f"late_fd_targets={late}", flush=True)
     print(f"batches={got}", flush=True)
     print(f"end_fds={live}", flush=True)
     print(f"peak_fds={peak}", flush=True)

@@ -456,6 +456,8 @@ def test_descriptor_limit_64_with_32_workers():
     while it lives (counted at the last batch) and closed with it."""
     workers = 32
     proc, out = run_fd_child(64, workers, 100)
+    # 64 descriptors cannot hold a memfd pool's 66 while its workers attach: POSIX
+    assert out.get("backend") == "posix", out
     assert proc.returncode == 0, (
         f"{proc.stdout}\n{proc.stderr[-4000:]}\n(EMFILE in popen_*.py _launch: main keeps "
         "multiprocessing's 2 descriptors per worker again)")
@@ -469,6 +471,26 @@ def test_descriptor_limit_64_with_32_workers():
     assert start - base == 1 and len(held) == 1 and held[0].endswith("-ctl"), (
         f"{start - base} descriptors for a pool of {workers} workers: {held}")
     assert after == base, "the pool's descriptor outlived it"
+
+
+def test_memfd_pool_keeps_one_descriptor_once_its_workers_have_mapped_every_segment():
+    """The memfd backend under RLIMIT_NOFILE 256 with 32 workers: main holds each new
+    segment's descriptor until every worker has mapped it (at most one per slot: all at
+    the start, and each slot's growth while workers are busy), then only the control
+    segment's (its owner lock): never more than that, and not growing with batches."""
+    workers = 32
+    proc, out = run_fd_child(256, workers, 100)
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-4000:]}"
+    assert out["backend"] == "memfd" and out["batches"] == "100"
+    base, start, late = int(out["base_fds"]), int(out["start_fds"]), int(out["late_fds"])
+    end, peak, after = int(out["end_fds"]), int(out["peak_fds"]), int(out["after_fds"])
+    print(f"descriptors in main: {base} before, {start} at start, {late} at batch 90, "
+          f"{end} at batch 100 (peak {peak}), {after} after")
+    slots = workers * 2 + 2
+    assert base < start <= base + 1 + slots + 1  # control, slots pending, the start arguments
+    assert late == base + 1, out["late_fd_targets"]  # once every worker has synced
+    assert out["late_fd_targets"].split() == ["/memfd:poolloader-control"]
+    assert end <= peak <= start and after == base
 
 
 # -- 6. soak ---------------------------------------------------------------------------------
