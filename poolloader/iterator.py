@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 
 import torch
 from torch._utils import ExceptionWrapper
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _MultiProcessingDataLoaderIter
 
-from poolloader import codec, cuda, supervise
+from poolloader import codec, cuda, stall, supervise
 from poolloader import slot_format as fmt
 from poolloader.cuda_runtime import TorchCuda
 from poolloader.errors import ControlCorrupt, SlotCorrupt, WorkerDied
@@ -51,6 +52,10 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         self._prefetch_factor = loader.prefetch_factor
         self._in_order = loader.in_order
         self._stats: LoaderStats = loader.stats
+        self._epoch_started = time.perf_counter()  # start-up counts from here (stats)
+        self._last_delivery: float | None = None
+        # slot -> the sample indices sent in its request (a reference): stall reports
+        self._sent_indices: dict[int, object] = {}
         # gate: registers slots and gates their reuse on CUDA copies; stager: what
         # _next_data hands each host batch to (pinning, or device= copies one ahead)
         self._gate = self._stager = None
@@ -72,7 +77,9 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         try:
             self._request_rings = self._pool.control.request_rings
             self._replies = supervise.Replies(self._pool.control, self._workers, self._timeout,
-                                              self._stats, on_tick=self._pool.unlink_mapped)
+                                              self._stats, on_tick=self._pool.unlink_mapped,
+                                              stall_warning=loader.stall_warning,
+                                              stall_report=self._stall_report)
             for i in range(n):
                 cfg = WorkerConfig(
                     dataset_kind=self._dataset_kind, dataset=self._dataset,
@@ -83,6 +90,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                 self._workers.append(supervise.start_worker(ctx, worker_loop, (cfg,)))
             supervise.track(self)
             self._stats._attach(self._pool)
+            self._stats.num_workers = n
             self._reset(loader, first_iter=True)
         except BaseException:
             self._shutdown_workers()
@@ -114,7 +122,9 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
             self._stager.reset()  # a staged batch's slot cools behind its copy event
         self._refill_error: Exception | None = None
         self._ended = False
+        self._last_delivery = None
         if not first_iter:
+            self._epoch_started = time.perf_counter()
             self._reclaim_all()
             self._epoch += 1
         self._send_idx = 0
@@ -159,6 +169,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         return self._resume.next_index(self._sampler_iter, self._send_idx)
 
     def __next__(self):
+        entered, waited = time.perf_counter(), self._stats.main_wait_s
         try:
             data = super().__next__()
         except StopIteration:
@@ -168,6 +179,8 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
             self._resume.raised(staged=self._stager is not None)
             raise
         self._resume.commit()
+        self._last_delivery = self._stats._delivered(entered, waited, self._last_delivery,
+                                                     self._epoch_started)
         return data
 
     def _reply_record(self, slot: int) -> bytes | None:
@@ -205,6 +218,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
             fmt.write_request(ledger.mapping(slot), ledger.header(slot), self._send_idx,
                               self._epoch, worker, request)
             ledger.inflight[slot] = (self._send_idx, worker)
+            self._sent_indices[slot] = index
         except BaseException:
             ledger.give_back(slot)
             raise
@@ -232,6 +246,12 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         self._request_rings[worker].push(slot, timeout=None)
 
     # -- waiting -------------------------------------------------------------------
+    def _stall_report(self) -> str:
+        """Which worker owes which batch, since when, and its stack (poolloader.stall)."""
+        control = self._pool.control
+        return stall.report(self._workers, None if control is None else control.worker_stats,
+                            self._ledger.inflight, self._sent_indices)
+
     def _wait_returned(self) -> tuple[int, int]:
         """Block until some worker returns a slot (supervise.Replies: bounded by
         `timeout=` and worker liveness); (slot, worker). A dead worker, a corrupt

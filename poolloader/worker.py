@@ -21,7 +21,7 @@ from torch.utils.data._utils import worker as torch_worker
 from torch.utils.data._utils.collate import default_collate
 from torch.utils.data._utils.worker import WorkerInfo, _generate_state
 
-from poolloader import codec, resume
+from poolloader import codec, resume, stall
 from poolloader import collate as slot_collate_mod
 from poolloader import slot_format as fmt
 from poolloader.errors import RingClosed, RingTimeout
@@ -64,6 +64,7 @@ def worker_loop(cfg: WorkerConfig) -> None:
     slots = None
     try:
         signal_handling._set_worker_signal_handlers()
+        stall.install_dumper(cfg.worker_id)  # before anything that may block: init_fn, imports
         torch.multiprocessing._set_thread_name("pt_data_worker")
         torch.set_num_threads(1)
         seed = cfg.base_seed + cfg.worker_id
@@ -124,6 +125,7 @@ def worker_loop(cfg: WorkerConfig) -> None:
                 return
             busy_since = time.perf_counter_ns()
             my_stats[2] += busy_since - idle_since
+            my_stats[3] = stall.busy_stamp(slot, busy_since)  # for a stall report, read only then
             slots.sync()
             mapping = slots.mapping(slot)
             header = fmt.header_view(mapping)
