@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 WAIT_BOUND = 0.10    # main waited this share of the steady state or more: the loader holds it back
 BUSY_BOUND = 0.80    # workers busy this share or more: no spare worker time
 IDLE_BELOW = 0.50    # workers busy less than this: more workers than the step needs
-HANDOFF_SMALL = 0.05  # a hand-off under this share of step time is not worth optimising
+HANDOFF_SMALL = 0.10  # a hand-off under this share of step time is not worth optimising
 STARTUP_SHOWN = 0.10  # start-up at least this share of the time measured is mentioned
 MIN_BATCHES = 5
 
@@ -95,8 +95,9 @@ def advise(stats, cores: int | None = None) -> Advice:
             line += (f"add workers: num_workers={m}, you have {cores} cores{more}; "
                      "or make __getitem__/collate cheaper")
         else:
-            line += (f"num_workers={m} already uses the {cores} cores you have: make "
-                     "__getitem__/collate cheaper")
+            line += (f"num_workers={m} already matches the {cores} cores you have: make "
+                     "__getitem__/collate cheaper (more workers help only if it waits on "
+                     "I/O rather than computing)")
         said.append(line)
     elif w_share >= WAIT_BOUND:
         verdict = "uneven"
@@ -113,8 +114,8 @@ def advise(stats, cores: int | None = None) -> Advice:
                 f"{_pct(w_share)}: the training step is the bottleneck "
                 f"({step_ms:.1f} ms per batch, a worker needs {worker_ms:.1f} ms)")
         if fewer < m:
-            line += (f"; fewer workers would do: num_workers={fewer} instead of {m} would "
-                     f"keep them about {_pct(BUSY_BOUND)} busy")
+            line += (f"; fewer workers would do: with num_workers={fewer} instead of {m} "
+                     f"they would be busy about {_pct(m * b_share / fewer)}")
         said.append(line)
     else:
         verdict = "balanced"
@@ -128,9 +129,9 @@ def advise(stats, cores: int | None = None) -> Advice:
                     f"({1e3 * handoff / n:.2f} ms per batch): pinning/packing would not help")
     else:
         said.append(f"the hand-off is {_pct(h_share)} of step time "
-                    f"({1e3 * handoff / n:.2f} ms per batch); it grows with the number of "
-                    "tensors per batch: packing small ones into a few "
-                    "(poolloader.pack_targets) cuts it")
+                    f"({1e3 * handoff / n:.2f} ms per batch): it grows with the number of "
+                    "tensors in a batch, not their bytes: if a batch carries many small "
+                    "tensors, packing them into a few (poolloader.pack_targets) cuts it")
     total = stats.startup_s + span
     if total > 0 and stats.startup_s / total >= STARTUP_SHOWN:
         said.append(f"start-up (each epoch's start to its first batch) took "

@@ -154,8 +154,8 @@ def _describe(w: OwedWork) -> str:
 
 
 def _indices(index) -> str:
-    if index is None:
-        return "(not known)"
+    if index is None:  # batch_size=None over an IterableDataset
+        return "(an IterableDataset: no sample indices)"
     if isinstance(index, (list, tuple)):
         if all(i is None for i in index):
             return "(an IterableDataset batch: no sample indices)"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.utils.data
 from torch.utils.data import Dataset
 
 GATE_TIMEOUT_S = 60.0  # a gate never released still lets the worker go (bounded)
@@ -54,3 +55,21 @@ class SleepDataset(Dataset):
         if self.delay:
             time.sleep(self.delay)
         return torch.full((4,), i)
+
+
+class BlockingStream(torch.utils.data.IterableDataset):
+    """Yields 0..n-1 in worker 0 only; blocks before item `stuck` until `gate` is set."""
+
+    def __init__(self, gate, n: int = 12, stuck: int = 5):
+        self.gate = gate
+        self.n = n
+        self.stuck = stuck
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        if info is not None and info.id != 0:
+            return
+        for i in range(self.n):
+            if i == self.stuck:
+                self.gate.wait(GATE_TIMEOUT_S)  # the blocking line of the stream
+            yield torch.tensor([i])

@@ -52,7 +52,7 @@ def test_slow_dataset_says_add_workers_or_cheapen_getitem():
     assert f"main waited {pct(wait)} of the epoch for workers, workers were busy {pct(busy)}" \
         in advice.text
     # what to change depends on the cores: the same numbers read on 2 and on 16 cores
-    assert "num_workers=2 already uses the 2 cores" in advise(stats, cores=2).text
+    assert "num_workers=2 already matches the 2 cores" in advise(stats, cores=2).text
     assert "add workers: num_workers=2, you have 16 cores" in advise(stats, cores=16).text
     assert "__getitem__" in advice.text
 
@@ -65,7 +65,8 @@ def test_slow_consumer_says_the_training_step_is_the_bottleneck():
     assert wait < WAIT_BOUND and busy < IDLE_BELOW
     assert (f"workers were idle {pct(1 - busy)} and main waited only {pct(wait)}: "
             "the training step is the bottleneck") in advice.text
-    assert "fewer workers would do: num_workers=1 instead of 2" in advice.text
+    assert "fewer workers would do: with num_workers=1 instead of 2 they would be busy about " \
+        f"{pct(2 * busy)}" in advice.text
     # the step it names is the consumer's 50 ms sleep, as measured
     step_ms = float(re.search(r"\(([\d.]+) ms per batch, a worker", advice.text).group(1))
     assert 50.0 <= step_ms < 200.0

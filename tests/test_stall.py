@@ -78,6 +78,27 @@ def test_stall_in_worker_init_fn_is_shown_before_any_batch():
     del it
 
 
+def test_iterable_dataset_stall_names_the_worker_and_the_line():
+    ctx = multiprocessing.get_context("fork")
+    gate = ctx.Event()
+    loader = PoolLoader(dd.BlockingStream(gate), batch_size=2, num_workers=2, timeout=3,
+                        multiprocessing_context=ctx)
+    it = iter(loader)
+    try:
+        with pytest.raises(RuntimeError) as info:
+            for _ in it:
+                pass
+        pid = it.worker_pids[0]
+    finally:
+        gate.set()
+    message = str(info.value)
+    assert message.splitlines()[0] == "DataLoader timed out after 3 seconds"
+    assert f"worker 0 (pid {pid}): on batch " in message, message
+    assert "(an IterableDataset batch: no sample indices)" in message
+    assert blocking_frame("the blocking line of the stream", "__iter__") in message, message
+    del it
+
+
 def test_without_timeout_a_stall_warns_once_per_stall_and_the_epoch_completes():
     ctx = multiprocessing.get_context("fork")
     gates = {13: ctx.Event(), 25: ctx.Event()}
