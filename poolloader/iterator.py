@@ -33,6 +33,17 @@ from poolloader.stats import LoaderStats
 from poolloader.worker import WorkerConfig, worker_loop
 
 
+def _stall_reporter(workers, pool: SlotPool, ledger: SlotLedger, sent: dict):
+    """What Replies calls for a stall report (poolloader.stall): which worker owes which
+    batch, since when, and its stack. A closure over the iterator's parts, not over the
+    iterator, so that no cycle delays the iterator's shutdown when it is dropped."""
+    def report() -> str:
+        control = pool.control
+        return stall.report(workers, None if control is None else control.worker_stats,
+                            ledger.inflight, sent)
+    return report
+
+
 class PoolLoaderIter(_MultiProcessingDataLoaderIter):
     """Frameworks recognise DataLoader's multi-process iterator by class (Lightning
     shuts its workers down only if isinstance(it, _MultiProcessingDataLoaderIter)),
@@ -79,7 +90,9 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
             self._replies = supervise.Replies(self._pool.control, self._workers, self._timeout,
                                               self._stats, on_tick=self._pool.unlink_mapped,
                                               stall_warning=loader.stall_warning,
-                                              stall_report=self._stall_report)
+                                              stall_report=_stall_reporter(
+                                                  self._workers, self._pool, self._ledger,
+                                                  self._sent_indices))
             for i in range(n):
                 cfg = WorkerConfig(
                     dataset_kind=self._dataset_kind, dataset=self._dataset,
@@ -246,12 +259,6 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         self._request_rings[worker].push(slot, timeout=None)
 
     # -- waiting -------------------------------------------------------------------
-    def _stall_report(self) -> str:
-        """Which worker owes which batch, since when, and its stack (poolloader.stall)."""
-        control = self._pool.control
-        return stall.report(self._workers, None if control is None else control.worker_stats,
-                            self._ledger.inflight, self._sent_indices)
-
     def _wait_returned(self) -> tuple[int, int]:
         """Block until some worker returns a slot (supervise.Replies: bounded by
         `timeout=` and worker liveness); (slot, worker). A dead worker, a corrupt

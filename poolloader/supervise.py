@@ -249,3 +249,4 @@ class Replies:
     def close(self) -> None:
         self._rings = []
         self._doorbell = None
+        self._stall_report = None

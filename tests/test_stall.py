@@ -1,10 +1,12 @@
 """Stall reports: a stuck worker is shown (pid, samples, since when, the blocking line),
 on timeout as the error and without timeout as a warning, with real worker processes."""
+import gc
 import multiprocessing
 import re
 import threading
 import time
 import warnings
+import weakref
 
 import diagnose_datasets as dd
 import pytest
@@ -173,3 +175,18 @@ def test_format_dump_cuts_at_the_worker_loop_and_keeps_innermost_frames():
     assert 'File "/d/m.py", line 0 in f0' in text and "line 11 in f11" in text
     assert "line 12 in f12" not in text and "... 8 outer frames" in text
     assert text.splitlines()[0].startswith("Current thread 0x1")
+
+
+def test_a_dropped_iterator_is_freed_at_once():
+    # the stall reporter Replies keeps must not hold the iterator (a cycle would
+    # leave its workers running until the next garbage collection)
+    loader = PoolLoader(dd.SleepDataset(12, 0.0), batch_size=2, num_workers=2)
+    it = iter(loader)
+    next(it)
+    ref = weakref.ref(it)
+    gc.disable()
+    try:
+        del it
+        assert ref() is None
+    finally:
+        gc.enable()
