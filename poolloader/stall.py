@@ -68,8 +68,9 @@ def install_dumper(worker_id: int) -> None:
 
 def busy_stamp(slot: int, since_ns: int) -> int:
     """The worker_stats[3] value of a worker that started on `slot` at `since_ns`
-    (time.perf_counter_ns(): CLOCK_MONOTONIC on Linux)."""
-    field = slot + 1 if slot + 1 <= _MAX_SLOT_FIELD else 0
+    (time.perf_counter_ns(): CLOCK_MONOTONIC on Linux). Called before the slot index
+    is checked: any int (a forged one too) gives a valid stamp, "slot unknown"."""
+    field = slot + 1 if 0 <= slot < _MAX_SLOT_FIELD else 0
     return (field << _SLOT_SHIFT) | ((since_ns // 1000) & _TIME_MASK)
 
 
