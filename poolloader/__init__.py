@@ -9,6 +9,7 @@ from poolloader.errors import (
                                RingTimeout,
                                ShmSpaceError,
                                SlotCorrupt,
+                               StallWarning,
                                WorkerDied,
 )
 from poolloader.loader import PoolLoader
@@ -18,6 +19,6 @@ __all__ = [
     "PoolLoader", "LoaderStats", "slot_collate", "slot_empty",
     "DetectionCollate", "PackedTargets", "pack_targets",
     "ControlCorrupt", "PoolExhausted", "RingClosed", "RingTimeout", "ShmSpaceError",
-    "SlotCorrupt", "WorkerDied",
+    "SlotCorrupt", "StallWarning", "WorkerDied",
 ]
 __version__ = "0.1.0"

@@ -335,7 +335,8 @@ def _plural(n: int, word: str, words: str = "") -> str:
 def summary() -> str:
     """A short report of the loaders built in this process while pooling was on:
     per pooled loader, batches, how long next() waited (share of the run so far),
-    worker busy/idle, pool size and growths; then the loaders left as DataLoader."""
+    worker busy/idle, pool size and growths, and its stats.advice(); then the loaders
+    left as DataLoader."""
     pid = os.getpid()
     elapsed = time.monotonic() - _State.started
     mine = [b for b in _State.built if b.pid == pid]
@@ -366,6 +367,8 @@ def summary() -> str:
             f"(slots of {_mib(max(s.learned_slot_bytes, s.slot_bytes))}); "
             f"{_plural(s.slot_growths, 'slot growth')}, {_plural(s.pool_growths, 'pool growth')}, "
             f"{s.detaches} held batches detached")
+        for k, statement in enumerate(s.advice().splitlines()):
+            lines.append(("     advice: " if k == 0 else "             ") + statement)
     if other:
         lines.append("  left as DataLoader:")
         for b in other:

@@ -27,7 +27,7 @@ the readers below; both sides use these functions only:
     S    worker stats         num_workers × 4 u64, written by each worker for itself:
            [0] batches produced  [1] ns producing (fetch + collate + encode)
            [2] ns waiting for a request (idle: no free slot / consumer slow)
-           [3] reserved
+           [3] busy stamp: slot being produced and since when (poolloader.stall owns it)
     C    rings                per worker: request ring, done ring (capacity max_slots each)
 
 Main and every worker map all of it, so any of them can overwrite any of it. Each

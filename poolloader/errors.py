@@ -1,4 +1,4 @@
-"""Every exception poolloader raises on purpose, in one place.
+"""Every exception (and warning) poolloader raises on purpose, in one place.
 
 Each subclasses the builtin a caller would already catch for it.
 """
@@ -36,3 +36,8 @@ class WorkerDied(RuntimeError):
 
 class CudaRegistrationError(RuntimeError):
     """cudaHostRegister refused a slot; the CUDA error was cleared."""
+
+
+class StallWarning(RuntimeWarning):
+    """next() has waited `stall_warning` seconds for a batch (timeout=0 waits on); the
+    message says which worker owes which batch and where it is (poolloader.stall)."""

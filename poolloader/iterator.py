@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+import time
 
 import torch
 from torch._utils import ExceptionWrapper
@@ -27,7 +28,7 @@ from torch.utils.data.dataloader import (
     _sharding_worker_init_fn,
 )
 
-from poolloader import codec, cuda, startup, supervise
+from poolloader import codec, cuda, stall, startup, supervise
 from poolloader import slot_format as fmt
 from poolloader.cuda_runtime import TorchCuda
 from poolloader.errors import ControlCorrupt, SlotCorrupt, WorkerDied
@@ -36,6 +37,17 @@ from poolloader.pool import SlotPool
 from poolloader.resume_state import ResumeTracker
 from poolloader.stats import LoaderStats
 from poolloader.worker import WorkerConfig, worker_loop
+
+
+def _stall_reporter(workers, pool: SlotPool, ledger: SlotLedger, sent: dict):
+    """What Replies calls for a stall report (poolloader.stall): which worker owes which
+    batch, since when, and its stack. A closure over the iterator's parts, not over the
+    iterator, so that no cycle delays the iterator's shutdown when it is dropped."""
+    def report() -> str:
+        control = pool.control
+        return stall.report(workers, None if control is None else control.worker_stats,
+                            ledger.inflight, sent)
+    return report
 
 
 class PoolLoaderIter(_MultiProcessingDataLoaderIter):
@@ -60,6 +72,10 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         self._prefetch_factor = loader.prefetch_factor
         self._in_order = loader.in_order
         self._stats: LoaderStats = loader.stats
+        self._epoch_started = time.perf_counter()  # start-up counts from here (stats)
+        self._last_delivery: float | None = None
+        # slot -> the sample indices sent in its request (a reference): stall reports
+        self._sent_indices: dict[int, object] = {}
         # gate: registers slots and gates their reuse on CUDA copies; stager: what
         # _next_data hands each host batch to (pinning, or device= copies one ahead)
         self._gate = self._stager = None
@@ -82,7 +98,11 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         try:
             self._request_rings = self._pool.control.request_rings
             self._replies = supervise.Replies(self._pool.control, self._workers, self._timeout,
-                                              self._stats, on_tick=self._pool.unlink_mapped)
+                                              self._stats, on_tick=self._pool.unlink_mapped,
+                                              stall_warning=loader.stall_warning,
+                                              stall_report=_stall_reporter(
+                                                  self._workers, self._pool, self._ledger,
+                                                  self._sent_indices))
             init_fn = loader.worker_init_fn
             if isinstance(self._dataset, (IterDataPipe, MapDataPipe)):
                 # DataLoader's workers shard a datapipe first (by worker and rank)
@@ -109,6 +129,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                 self._workers.append(supervise.start_worker(ctx, worker_loop, (cfg,)))
             supervise.track(self)
             self._stats._attach(self._pool, self._ledger)
+            self._stats.num_workers = n
             self._reset(loader, first_iter=True)
         except BaseException:
             self._shutdown_workers()
@@ -141,7 +162,9 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
             self._stager.reset()  # a staged batch's slot cools behind its copy event
         self._refill_error: Exception | None = None
         self._ended = False
+        self._last_delivery = None
         if not first_iter:
+            self._epoch_started = time.perf_counter()
             self._reclaim_all()
             self._epoch += 1
         self._send_idx = 0
@@ -188,6 +211,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         return self._resume.next_index(self._sampler_iter, self._send_idx)
 
     def __next__(self):
+        entered, waited = time.perf_counter(), self._stats.main_wait_s
         try:
             data = super().__next__()
         except StopIteration:
@@ -197,6 +221,8 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
             self._resume.raised(staged=self._stager is not None)
             raise
         self._resume.commit()
+        self._last_delivery = self._stats._delivered(entered, waited, self._last_delivery,
+                                                     self._epoch_started)
         return data
 
     def _reply_record(self, slot: int) -> bytes | None:
@@ -255,6 +281,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
             fmt.write_request(ledger.mapping(slot), ledger.header(slot), self._send_idx,
                               self._epoch, worker, request, self._shared_seed)
             ledger.inflight[slot] = (self._send_idx, worker)
+            self._sent_indices[slot] = index
         except BaseException:
             if slot is not None:
                 ledger.give_back(slot)

@@ -11,6 +11,8 @@ from poolloader.stats import LoaderStats
 T_co = TypeVar("T_co", covariant=True)
 
 DEFAULT_SLOT_BYTES = 1 << 20
+# Seconds next() waits for a batch before it warns with a stall report (stall_warning=).
+DEFAULT_STALL_WARNING_S = 300.0
 
 # Called with every PoolLoader once it is initialised. The runner (`python -m poolloader`)
 # adds one to list the loaders in its exit summary; empty otherwise.
@@ -47,7 +49,15 @@ class PoolLoader(DataLoader[T_co]):
       device      e.g. "cuda": the loader copies each batch to this device itself,
                   on a side stream one batch ahead, from the page-locked slots,
                   and yields device tensors safe to use on the current stream.
-    Nothing is created until the loader is iterated. `stats` holds counters.
+      stall_warning  seconds (default 300) a single wait for a batch may last before
+                  a StallWarning names every worker that owes a batch: its pid,
+                  the sample indices of the batch it is on, for how long, and its
+                  Python stack; the loader goes on waiting, and warns again at the
+                  next stall. None: never. With timeout=N, the RuntimeError
+                  "DataLoader timed out after N seconds" carries the same report on
+                  the lines after that first one.
+    Nothing is created until the loader is iterated. `stats` holds counters;
+    `stats.advice()` reads them: which side is the bottleneck, what to change.
 
     `state_dict()` / `load_state_dict()` resume mid-epoch, bit-identically,
     random augmentation in workers included, with torchdata StatefulDataLoader's
@@ -60,7 +70,8 @@ class PoolLoader(DataLoader[T_co]):
                  worker_init_fn=None, multiprocessing_context=None, generator=None, *,
                  prefetch_factor=None, persistent_workers=False, pin_memory_device="",
                  in_order=True, slot_bytes=DEFAULT_SLOT_BYTES, slots=None, max_slots=None,
-                 shm_limit=None, device=None, shm_backend=None):
+                 shm_limit=None, device=None, shm_backend=None,
+                 stall_warning=DEFAULT_STALL_WARNING_S):
         super().__init__(
             dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
             batch_sampler=batch_sampler, num_workers=num_workers, collate_fn=collate_fn,
@@ -75,6 +86,11 @@ class PoolLoader(DataLoader[T_co]):
             raise ValueError(f"slots must be a positive number of slots, got {slots!r}")
         if shm_limit is not None and (not isinstance(shm_limit, int) or shm_limit < 1):
             raise ValueError(f"shm_limit must be a positive number of bytes, got {shm_limit!r}")
+        if stall_warning is not None and (isinstance(stall_warning, bool)
+                                          or not isinstance(stall_warning, (int, float))
+                                          or not stall_warning > 0):
+            raise ValueError(f"stall_warning must be a positive number of seconds or None, "
+                             f"got {stall_warning!r}")
         in_flight = self.num_workers * (self.prefetch_factor or 0)
         if max_slots is not None and (not isinstance(max_slots, int)
                                       or max_slots < max(1, in_flight)):
@@ -91,6 +107,7 @@ class PoolLoader(DataLoader[T_co]):
         self.shm_limit = shm_limit
         self.shm_backend = shm_backend
         self.device = device
+        self.stall_warning = stall_warning
         self.stats = LoaderStats()
         self._resume_plan = None     # a loaded state for the next iterator
         self._resume_tracker = None  # the latest iterator's progress (state_dict())

@@ -17,8 +17,8 @@ comparison is one flag.
 
 Pool options: every keyword PoolLoader has beyond DataLoader's (`slot_bytes`, `slots`,
 `shm_limit`, ...), as `--slot-bytes N` or `POOLLOADER_SLOT_BYTES=N` (the flag wins);
-values are integers, `none`, or text (`--device cuda`). Options not given keep
-PoolLoader's defaults.
+values are numbers, `none`, or text (`--device cuda`). Options not given keep
+PoolLoader's defaults. The summary ends each loader with `stats.advice()`.
 """
 from __future__ import annotations
 
@@ -90,10 +90,12 @@ def split_argv(argv: list[str]) -> tuple[list[str], str | None, str | None, list
 def _value(text: str):
     if text.strip().lower() == "none":
         return None
-    try:
-        return int(text)
-    except ValueError:
-        return text
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def pool_options(parsed: argparse.Namespace, environ=os.environ) -> dict:
@@ -109,7 +111,8 @@ def pool_options(parsed: argparse.Namespace, environ=os.environ) -> dict:
     defaults = inspect.signature(PoolLoader.__init__).parameters
     for name, value in options.items():
         default = defaults[name].default
-        if None not in (default, value) and not isinstance(value, type(default)):
+        expected = (int, float) if isinstance(default, float) else type(default)
+        if None not in (default, value) and not isinstance(value, expected):
             _parser().error(f"{sources[name]}: {name} must be of type {type(default).__name__}, "
                             f"as PoolLoader's default {default!r}")
         try:

@@ -6,6 +6,8 @@ worker writing only its own row; reading them sums a few integers.
 """
 from __future__ import annotations
 
+import time
+
 
 class LoaderStats:
     """Live counters of one PoolLoader, across its iterators and epochs.
@@ -28,6 +30,13 @@ class LoaderStats:
                      for CUDA copies that may read it (pin_memory=True / device=)
     cooling_waits    times next() had to wait for a cooling slot (the pool was at
                      max_slots); cooling_wait_s: seconds spent so. High: raise max_slots
+    startup_s        seconds from each epoch's start (workers starting, with
+                     non-persistent workers) to its first batch, summed
+    iter_s           seconds from each epoch's first batch to its last, summed: the
+                     steady state that advice() reads; steady_batches: the batches
+                     delivered in it, next_s: seconds next() took for them (waiting
+                     included), steady_wait_s: seconds of main_wait_s among those
+    num_workers      workers of the latest pool
     slot_count, slot_bytes, pool_bytes: the current pool (0 when none exists)
     detached_bytes   shared memory of batches detached from the pool that the consumer
                      still holds (theirs, like a DataLoader batch; not the pool's own):
@@ -38,7 +47,7 @@ class LoaderStats:
     Every counter accumulates over the loader's lifetime (a non-persistent loader
     makes a new pool each epoch; the pool's worker counters are added up when it
     closes). `learned_slot_bytes` is the largest slot size any pool needed: the
-    next pool starts there instead of growing again.
+    next pool starts there instead of growing again. `advice()` reads them for you.
     """
 
     def __init__(self) -> None:
@@ -51,6 +60,12 @@ class LoaderStats:
         self.cooling_waits = 0
         self.cooling_wait_s = 0.0
         self.learned_slot_bytes = 0
+        self.startup_s = 0.0
+        self.iter_s = 0.0
+        self.next_s = 0.0
+        self.steady_wait_s = 0.0
+        self.steady_batches = 0
+        self.num_workers = 0
         self._closed_workers = [0, 0, 0]  # worker columns of pools already closed
         self._closed_peak = (0, 0)  # (slots, bytes) of the largest pool already closed
         self._pool = None
@@ -67,6 +82,32 @@ class LoaderStats:
             state["_closed_peak"] = (self.peak_slot_count, self.peak_pool_bytes)
         state["_pool"] = state["_ledger"] = None
         return state
+
+    def _delivered(self, entered: float, waited: float, last: float | None,
+                   epoch_started: float) -> float:
+        """Main's per-batch accounting, once a batch is delivered (a few adds): `entered`
+        when next() was called, `waited` main_wait_s then, `last` when the epoch's
+        previous batch was delivered (None: this is its first). Returns now."""
+        now = time.perf_counter()
+        if last is None:
+            self.startup_s += now - epoch_started
+        else:
+            self.iter_s += now - last
+            self.next_s += now - entered
+            self.steady_wait_s += self.main_wait_s - waited
+            self.steady_batches += 1
+        return now
+
+    def advice(self) -> str:
+        """Which side is the bottleneck and what to change, each statement with the
+        measured shares behind it (poolloader.advice); `diagnose()` is the same as data."""
+        from poolloader.advice import advise
+        return advise(self).text
+
+    def diagnose(self):
+        """advice() as a poolloader.advice.Advice: verdict, statements and the shares."""
+        from poolloader.advice import advise
+        return advise(self)
 
     def _attach(self, pool, ledger=None) -> None:
         self._pool = pool
@@ -143,6 +184,9 @@ class LoaderStats:
             "detaches": self.detaches,
             "cooling_growths": self.cooling_growths, "cooling_waits": self.cooling_waits,
             "cooling_wait_s": round(self.cooling_wait_s, 6),
+            "startup_s": round(self.startup_s, 6), "iter_s": round(self.iter_s, 6),
+            "next_s": round(self.next_s, 6), "steady_wait_s": round(self.steady_wait_s, 6),
+            "steady_batches": self.steady_batches, "num_workers": self.num_workers,
             "slot_count": self.slot_count, "slot_bytes": self.slot_bytes,
             "pool_bytes": self.pool_bytes, "detached_bytes": self.detached_bytes,
             "peak_slot_count": self.peak_slot_count, "peak_pool_bytes": self.peak_pool_bytes,

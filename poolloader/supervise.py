@@ -12,14 +12,17 @@ from __future__ import annotations
 import atexit
 import contextlib
 import multiprocessing.process
+import os
 import signal
+import sys
 import threading
 import time
+import types
 import warnings
 import weakref
 from pickle import PicklingError
 
-from poolloader.errors import WorkerDied
+from poolloader.errors import StallWarning, WorkerDied
 
 # How long shutdown waits for workers to leave by themselves before terminating them.
 JOIN_TIMEOUT = 1.0
@@ -189,6 +192,19 @@ def check_alive(processes) -> None:
                 "the main process.")
 
 
+def _first_outside_loader() -> int:
+    """warnings.warn stacklevel, from its caller, of the first frame outside poolloader
+    and torch.utils.data: the user's `for batch in loader` line."""
+    import torch.utils.data
+    inside = tuple(os.path.dirname(str(m.__file__)) + os.sep
+                   for m in (torch.utils.data, sys.modules[__package__]))
+    level = 2
+    frame: types.FrameType | None = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(inside):
+        level, frame = level + 1, frame.f_back
+    return level
+
+
 class Replies:
     """Main's side of the done rings: which worker returned which slot.
 
@@ -196,15 +212,23 @@ class Replies:
     one after the last that answered (so no worker starves); with none returned it
     sleeps on the doorbell, checks worker liveness every MAIN_TICK and calls
     `on_tick()`, bounded by DataLoader's `timeout` (0: no limit). The time spent
-    waiting is added to `stats.main_wait_s`."""
+    waiting is added to `stats.main_wait_s`.
 
-    def __init__(self, control, workers, timeout: float, stats, on_tick) -> None:
+    A stall is shown, not only timed out: the timeout's RuntimeError carries
+    `stall_report()` (poolloader.stall: which worker owes which batch, since when, its
+    stack) after DataLoader's first line; a wait that lasts `stall_warning` seconds
+    (None: never) warns once with the same report and goes on waiting."""
+
+    def __init__(self, control, workers, timeout: float, stats, on_tick,
+                 stall_warning: float | None = None, stall_report=None) -> None:
         self._rings = control.done_rings
         self._doorbell = control.doorbell
         self._workers = workers
         self._timeout = timeout
         self._stats = stats
         self._on_tick = on_tick
+        self._stall_warning = stall_warning
+        self._stall_report = stall_report
         self._start = 0
 
     def waiting(self) -> int:
@@ -235,22 +259,44 @@ class Replies:
         if got is not None:
             return got
         t0 = time.perf_counter()
-        deadline = time.monotonic() + self._timeout if self._timeout > 0 else None
+        began = time.monotonic()
+        deadline = began + self._timeout if self._timeout > 0 else None
+        warn_at = began + self._stall_warning if self._stall_warning is not None else None
         try:
             while got is None:
                 wait = MAIN_TICK
                 if deadline is not None:
                     wait = min(wait, deadline - time.monotonic())
                     if wait <= 0:
-                        raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds")
+                        raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds"
+                                           + self._report())
                 if not self._doorbell.wait(wait):
                     check_alive(self._workers)
                     self._on_tick()
+                    if warn_at is not None and time.monotonic() >= warn_at:
+                        warn_at = None  # once per stall: the next wait that stalls warns again
+                        self._warn_stall(time.monotonic() - began)
                 got = self._poll()
         finally:
             self._stats.main_wait_s += time.perf_counter() - t0
         return got
 
+    def _report(self) -> str:
+        """The stall report, on the lines after a first line that is the caller's."""
+        if self._stall_report is None:
+            return ""
+        try:
+            return "\nPoolLoader: " + self._stall_report()
+        except Exception as e:  # a report must never hide the stall it reports
+            return f"\nPoolLoader: no stall report ({type(e).__name__}: {e})"
+
+    def _warn_stall(self, waited: float) -> None:
+        warnings.warn(StallWarning(
+            f"PoolLoader: next() has waited {waited:.1f} s for a batch and goes on waiting "
+            f"(timeout={self._timeout}; this warning: stall_warning={self._stall_warning}, "
+            "None turns it off)" + self._report()), stacklevel=_first_outside_loader())
+
     def close(self) -> None:
         self._rings = []
         self._doorbell = None
+        self._stall_report = None

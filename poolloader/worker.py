@@ -23,7 +23,7 @@ from torch.utils.data._utils.collate import default_collate
 from torch.utils.data._utils.worker import WorkerInfo, _generate_state
 from torch.utils.data.graph_settings import apply_random_seed
 
-from poolloader import codec, resume, startup, supervise
+from poolloader import codec, resume, stall, startup, supervise
 from poolloader import collate as slot_collate_mod
 from poolloader import slot_format as fmt
 from poolloader.errors import RingClosed, RingTimeout
@@ -79,6 +79,7 @@ def worker_loop(cfg: WorkerConfig) -> None:
         if cfg.shared is not None:  # before attaching: main frees it once all have replied
             cfg.dataset, cfg.init_fn, cfg.collate_fn = startup.load(cfg.shared)
         signal_handling._set_worker_signal_handlers()
+        stall.install_dumper(cfg.worker_id)  # before anything that may block: init_fn, imports
         torch.multiprocessing._set_thread_name("pt_data_worker")
         torch.set_num_threads(1)
         seed = cfg.base_seed + cfg.worker_id
@@ -146,6 +147,7 @@ def worker_loop(cfg: WorkerConfig) -> None:
                 return
             busy_since = time.perf_counter_ns()
             my_stats[2] += busy_since - idle_since
+            my_stats[3] = stall.busy_stamp(slot, busy_since)  # for a stall report, read only then
             mapping = _sync(slots, writer, slot)
             header = fmt.header_view(mapping)
             fresh = slot in pending  # a payload waiting for this (now bigger) slot

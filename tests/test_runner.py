@@ -194,6 +194,7 @@ def test_summary_at_exit_and_on_request(both_arms):
         assert block.count("6 batches; next() waited") == 2
         assert "slots of 0.1 MiB" in block  # --slot-bytes 65536 reached the loaders
         assert "DataLoader (num_workers=0)" in block
+        assert block.count("     advice: ") == 2  # stats.advice() of each pooled loader
     child = [block for block in stderr.split("poolloader: ") if "SpawnProcess" in block]
     assert len(child) == 1 and "6 batches" in child[0], stderr
 
@@ -295,6 +296,15 @@ def test_pool_options_from_flags_and_environment(capsys):
     with pytest.raises(SystemExit):
         runner.pool_options(parse([]), environ={"POOLLOADER_SLOT_BYTES": "lots"})
     assert "POOLLOADER_SLOT_BYTES=lots: slot_bytes must be of type int" in capsys.readouterr().err
+    # seconds: a whole or fractional number, or none (no stall warning)
+    assert runner.pool_options(parse(["--stall-warning", "60"]), environ={}) == {"stall_warning": 60}
+    assert runner.pool_options(parse([]), environ={"POOLLOADER_STALL_WARNING": "0.5"}) == {
+        "stall_warning": 0.5}
+    assert runner.pool_options(parse(["--stall-warning", "none"]), environ={}) == {
+        "stall_warning": None}
+    with pytest.raises(SystemExit):
+        runner.pool_options(parse(["--stall-warning", "-1"]), environ={})
+    assert "--stall-warning -1: stall_warning must be a positive" in capsys.readouterr().err
 
 
 def test_split_argv_leaves_the_script_its_arguments():
