@@ -110,10 +110,8 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                                             self._world_size, self._rank)
             # spawn / forkserver: the dataset, init_fn and collate_fn are pickled once
             # into shared memory, not once per worker (poolloader.startup)
-            shared = None
-            if n and startup.shares(ctx):
-                with supervise.pickling_workers():
-                    shared = startup.SharedStart((self._dataset, init_fn, self._collate_fn))
+            shared = startup.share((self._dataset, init_fn, self._collate_fn)) \
+                if n and startup.shares(ctx) else None
             self._shared_start = shared
             self._unheard = set(range(n)) if shared is not None else set()
             for i in range(n):

@@ -12,7 +12,11 @@ process that maps it.
 
 Under fork nothing is pickled at all (the child inherits the objects), and where
 anonymous shared memory cannot be used (memfd.supported()) the arguments travel as
-DataLoader's do.
+DataLoader's do. So do arguments that pickle only while a process is being spawned:
+multiprocessing's locks, events, queues and connections (they may be "shared between
+processes only through inheritance", and a queue's pipe needs its descriptor passed to
+each child), and anything else that cannot be pickled here: the start pipe then says
+what is wrong, as DataLoader's does.
 """
 from __future__ import annotations
 
@@ -50,6 +54,15 @@ class SharedStart:
         if self._fd is not None:
             fd, self._fd = self._fd, None
             release_held(fd)
+
+
+def share(payload: Any) -> SharedStart | None:
+    """A SharedStart of `payload`, or None where it must travel with each worker's start
+    instead (module docstring): any error pickling it here."""
+    try:
+        return SharedStart(payload)
+    except Exception:
+        return None
 
 
 def shares(ctx) -> bool:

@@ -74,3 +74,26 @@ def test_fork_workers_pickle_nothing():
     it = iter(loader)
     assert it._shared_start is None
     assert len(list(it)) == 12 and CountedPickles.pickled == 0
+
+
+class HoldsAnEvent(Dataset):
+    """Holds a multiprocessing Event: it pickles only while a process is spawned."""
+
+    def __init__(self, ctx):
+        self.ready = ctx.Event()
+        self.ready.set()
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        assert self.ready.wait(10)
+        return i
+
+
+def test_arguments_that_pickle_only_for_a_spawn_travel_with_each_worker():
+    ctx = multiprocessing.get_context("spawn")
+    loader = PoolLoader(HoldsAnEvent(ctx), batch_size=2, num_workers=2, multiprocessing_context=ctx)
+    it = iter(loader)
+    assert it._shared_start is None  # fell back to DataLoader's way
+    assert [b.tolist() for b in it] == [[0, 1], [2, 3], [4, 5], [6, 7]]
