@@ -361,7 +361,7 @@ def check_header(header: np.ndarray, slot_size: int) -> tuple[int, int, int, int
 
 
 def decode(mapping, header: np.ndarray, registry: dict | None = None, on_release=None,
-           key=None, pin_small: bool = False):
+           key=None, small_buffer=None):
     """Rebuild the payload of a published slot.
 
     Returns (payload, lease). The lease covers the data region; it is created first
@@ -385,7 +385,8 @@ def decode(mapping, header: np.ndarray, registry: dict | None = None, on_release
                           f"{int(header[F_SKELETON_CRC]):#010x} ({skel_len} bytes at {skel_off})")
     small = None
     if small_len:
-        small = torch.empty(small_len, dtype=torch.uint8, pin_memory=pin_small)
+        small = (torch.empty(small_len, dtype=torch.uint8) if small_buffer is None
+                 else small_buffer(small_len))
         small.numpy()[:] = np.frombuffer(mapping, np.uint8, count=small_len, offset=small_off)
     unpickler = _SkeletonUnpickler(io.BytesIO(skeleton), lease, small)
     try:

@@ -23,7 +23,6 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter, _MultiProcessingDat
 
 from poolloader import codec, cuda, supervise
 from poolloader import slot_format as fmt
-from poolloader.cuda_runtime import TorchCuda
 from poolloader.errors import ControlCorrupt, SlotCorrupt, WorkerDied
 from poolloader.ledger import SlotLedger, plan_sizes
 from poolloader.pool import SlotPool
@@ -56,7 +55,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         self._gate = self._stager = None
         self._gate, self._stager = cuda.setup(loader, self._pin_memory,
                                               getattr(self, "_pin_memory_device", None))
-        self._pin_small = self._gate is not None and isinstance(self._gate._rt, TorchCuda)
+        self._small_buffer = self._gate.small_buffer if self._gate is not None else None
         n = self._num_workers
         size = plan_sizes(loader, gated=self._gate is not None)
         self._epoch = 0
@@ -337,7 +336,8 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
             # from the lease's registration inside decode, the slot is the lease's:
             # whatever happens next, its death gives the slot back
             payload, _lease = codec.decode(ledger.mapping(slot), header, ledger.leases,
-                                         ledger.on_release, slot, pin_small=self._pin_small)
+                                         ledger.on_release, slot,
+                                         small_buffer=self._small_buffer)
             del _lease
         except BaseException:
             self._refill()
