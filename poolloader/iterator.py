@@ -78,7 +78,8 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                     auto_collation=self._auto_collation, collate_fn=self._collate_fn,
                     drop_last=self._drop_last, base_seed=int(self._base_seed),
                     init_fn=loader.worker_init_fn, worker_id=i, num_workers=n,
-                    prefix=self._pool.prefix, resume=self._resume.worker_plan(i))
+                    prefix=self._pool.prefix, resume=self._resume.worker_plan(i),
+                    capture=loader.stateful)
                 self._workers.append(supervise.start_worker(ctx, worker_loop, (cfg,)))
             supervise.track(self)
             self._stats._attach(self._pool)

@@ -47,6 +47,7 @@ class WorkerConfig:
     num_workers: int
     prefix: str  # the pool's names; its control segment also tells whether main lives
     resume: dict | None = None  # resume.ResumePlan.worker(): where to continue from
+    capture: bool = True  # PoolLoader(stateful=): each reply carries its resume record
 
 
 def _parent_alive(owner: OwnerProbe) -> bool:
@@ -168,7 +169,7 @@ def worker_loop(cfg: WorkerConfig) -> None:
                     finally:
                         slot_collate_mod._set_writer(None)
                 try:
-                    state = progress.capture(fetcher)
+                    state = progress.capture(fetcher) if cfg.capture else b""
                 except Exception:  # e.g. the dataset's state_dict(): reported like a fetch error
                     payload = ExceptionWrapper(where=f"in DataLoader worker process {cfg.worker_id}")
                     status, state = fmt.ST_ERROR, b""
