@@ -19,6 +19,7 @@ import os
 
 import torch
 from torch._utils import ExceptionWrapper
+from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _MultiProcessingDataLoaderIter
 
 from poolloader import codec, cuda, supervise
@@ -29,6 +30,16 @@ from poolloader.pool import SlotPool
 from poolloader.resume_state import ResumeTracker
 from poolloader.stats import LoaderStats
 from poolloader.worker import WorkerConfig, worker_loop
+
+# torch's samplers whose every index is a Python int (exact types: a subclass may differ)
+_INT_SAMPLERS = (SequentialSampler, RandomSampler, DistributedSampler)
+
+
+def _yields_int_lists(index_sampler) -> bool:
+    """Whether every request is a list of Python ints: torch's BatchSampler over one of
+    torch's int samplers (DataLoader's default for shuffle=False/True, and the
+    distributed one). Such requests are written raw (slot_format.encode_request)."""
+    return type(index_sampler) is BatchSampler and type(index_sampler.sampler) in _INT_SAMPLERS
 
 
 class PoolLoaderIter(_MultiProcessingDataLoaderIter):
@@ -50,6 +61,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         self._prefetch_factor = loader.prefetch_factor
         self._in_order = loader.in_order
         self._stats: LoaderStats = loader.stats
+        self._int_list_requests = _yields_int_lists(self._index_sampler)
         # gate: registers slots and gates their reuse on CUDA copies; stager: what
         # _next_data hands each host batch to (pinning, or device= copies one ahead)
         self._gate = self._stager = None
@@ -198,7 +210,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                     break
         else:
             return
-        request = fmt.pickle_request(index)
+        request = fmt.encode_request(index, self._int_list_requests)
         ledger = self._ledger
         slot = ledger.take(fmt.request_slot_bytes(request))
         try:
