@@ -360,6 +360,14 @@ def check_header(header: np.ndarray, slot_size: int) -> tuple[int, int, int, int
     return data_len, small_off, small_len, skel_off, skel_len
 
 
+def copy_small(mapping, small_off: int, small_len: int, small_buffer=None) -> torch.Tensor:
+    """The batch's private copy of its small block: one allocation, one copy."""
+    small = (torch.empty(small_len, dtype=torch.uint8) if small_buffer is None
+             else small_buffer(small_len))
+    small.numpy()[:] = np.frombuffer(mapping, np.uint8, count=small_len, offset=small_off)
+    return small
+
+
 def decode(mapping, header: np.ndarray, registry: dict | None = None, on_release=None,
            key=None, small_buffer=None):
     """Rebuild the payload of a published slot.
@@ -383,11 +391,7 @@ def decode(mapping, header: np.ndarray, registry: dict | None = None, on_release
     if crc != int(header[F_SKELETON_CRC]):
         raise SlotCorrupt(f"slot skeleton checksum {crc:#010x} does not match the header's "
                           f"{int(header[F_SKELETON_CRC]):#010x} ({skel_len} bytes at {skel_off})")
-    small = None
-    if small_len:
-        small = (torch.empty(small_len, dtype=torch.uint8) if small_buffer is None
-                 else small_buffer(small_len))
-        small.numpy()[:] = np.frombuffer(mapping, np.uint8, count=small_len, offset=small_off)
+    small = copy_small(mapping, small_off, small_len, small_buffer) if small_len else None
     unpickler = _SkeletonUnpickler(io.BytesIO(skeleton), lease, small)
     try:
         payload = unpickler.load()
