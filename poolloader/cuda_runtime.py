@@ -167,7 +167,7 @@ class _PoolWatch:
         found: dict[int, Any] = {}
         order = []
         for _ in range(_POOL_PROBE_MAX):
-            stream = torch.cuda.Stream(device=self.device, priority=priority)
+            stream = self._probe(priority)
             if stream.cuda_stream in found:
                 break
             found[stream.cuda_stream] = stream
@@ -186,10 +186,15 @@ class _PoolWatch:
     def _take(self, stream) -> None:
         self.taken[stream.cuda_stream] = stream
 
+    def _probe(self, priority: int):
+        if torch.cuda.current_device() == self.device:
+            return torch.cuda.Stream(priority=priority)  # no device switch: the cheap path
+        return torch.cuda.Stream(device=self.device, priority=priority)
+
     def look(self) -> None:
         """Note every stream handed out since the last look."""
         for priority, (by_index, expected) in self.levels.items():
-            got = _pool_index(torch.cuda.Stream(device=self.device, priority=priority))
+            got = _pool_index(self._probe(priority))
             n = len(by_index)
             i = expected
             while i != got:
