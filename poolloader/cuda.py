@@ -273,8 +273,9 @@ class SlotGate:
         # release order, each only once its own events completed. A later key is
         # usually done no earlier than an older one (a stream runs its work in order,
         # and a later marker has an event on every stream still busy from an earlier
-        # one); where it is (an older marker on a stream that is no longer current,
-        # an ExternalStream), it waits behind the older key: later, never early.
+        # one). Where a later key completes first (the older one's event is on a
+        # stream that was current then and is not listed now, e.g. an ExternalStream),
+        # it waits behind the older key: released later than it could be, never early.
         cooling = self._cooling
         if not cooling or not self._mine():
             return []
