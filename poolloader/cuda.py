@@ -199,21 +199,27 @@ class SlotGate:
         """DataLoader's pin_memory for a host batch: views of registered slots stay as
         they are; other tensors (pickled fallbacks: sparse, subclasses, requires_grad)
         are pinned by torch, and a custom type's pin_memory() is called, as
-        DataLoader's pin-memory thread does. Looks once per storage: the batch's small
-        tensors share one buffer, allocated page-locked (`small_buffer`)."""
+        DataLoader's pin-memory thread does (a type with `map_tensors`, PackedTargets,
+        has its tensors treated as the batch's). Looks once per storage: the batch's
+        small tensors share one buffer, allocated page-locked (`small_buffer`)."""
         rt = self._rt
         seen: dict[int, bool] = {}  # storage address -> page-locked already
 
+        def pin_tensor(x):
+            if x.device.type == "cpu" and x.layout == torch.strided:
+                address = x.untyped_storage().data_ptr()
+                locked = seen.get(address)
+                if locked is None:
+                    locked = seen[address] = self.is_slot_view(x) or rt.is_pinned(x)
+                if locked:
+                    return x  # a slot view, or in the batch's pinned small buffer
+            return rt.pin_tensor(x, device)
+
         def leaf(x):
             if isinstance(x, torch.Tensor):
-                if x.device.type == "cpu" and x.layout == torch.strided:
-                    address = x.untyped_storage().data_ptr()
-                    locked = seen.get(address)
-                    if locked is None:
-                        locked = seen[address] = self.is_slot_view(x) or rt.is_pinned(x)
-                    if locked:
-                        return x  # a slot view, or in the batch's pinned small buffer
-                return rt.pin_tensor(x, device)
+                return pin_tensor(x)
+            if callable(getattr(x, "map_tensors", None)):  # PackedTargets: its tensors alike
+                return x.map_tensors(pin_tensor)
             if hasattr(x, "pin_memory"):
                 return x.pin_memory()
             return _DESCEND

@@ -602,3 +602,38 @@ def test_gate_cuda_calls_per_batch_are_a_small_constant(small, lag, max_slots):
     assert (max(cooling[8:]) >= min(lag, 12) - 1) if lag else max(cooling[8:]) <= 1
     it._shutdown_workers()
     assert sim.registered == {}
+
+
+class Detections(Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        n = i % 3
+        target = {"boxes": torch.full((n, 4), i / 7), "labels": torch.arange(n) + i}
+        return torch.full((4, ROW), float(i)), target
+
+
+def _packed_collate(samples):
+    from poolloader import pack_targets
+    return torch.stack([s[0] for s in samples]), pack_targets([s[1] for s in samples])
+
+
+def test_gate_pins_packed_targets_per_storage_without_copies():
+    # PackedTargets' own pin_memory() would ask torch about each field; the gate treats
+    # its tensors as the batch's: slot views and small-buffer fields stay where they are
+    sim = SimCuda()
+    loader = loader_with(sim, Detections(), batch_size=4, collate_fn=_packed_collate,
+                         pin_memory=True)
+    ref = [_packed_collate([Detections()[i] for i in range(k, k + 4)]) for k in (0, 4)]
+    batches = list(loader)
+    names = [name for _pid, name in sim.calls]
+    # per batch one look at the images' storage and one at the small buffer's
+    assert names.count("is_pinned") <= 2 * len(batches) and "pin_tensor" not in names
+    for (images, targets), (want_images, want_targets) in zip(batches, ref):
+        assert type(targets).__name__ == "PackedTargets" and len(targets) == 4
+        assert torch.equal(images, want_images)
+        for got, want in zip(targets, want_targets):
+            assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+        assert all(sim.is_pinned(t) for t in (*targets.fields.values(), targets.counts))
+    assert sim.pinned == []  # nothing was copied to be pinned
