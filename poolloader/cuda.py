@@ -124,6 +124,8 @@ class SlotGate:
         self._starts: list[int] = []  # registered ranges, sorted, for is_slot_view
         self._ends: list[int] = []
         self._copy_event = None  # device=: the stager's latest copy event, called
+        self._small_span = (0, 0)  # [start, end) of the small buffer made last (small_buffer)
+        self._small: torch.Tensor | None = None
         self._host_views = False  # device=: a delivered batch kept host views of a slot
         self._deferring = False
         self._closed = False
@@ -204,8 +206,16 @@ class SlotGate:
         small tensors share one buffer, allocated page-locked (`small_buffer`)."""
         rt = self._rt
         seen: dict[int, bool] = {}  # storage address -> page-locked already
+        small_start, small_end = self._small_span
+        self._small_span, self._small = (0, 0), None
 
         def pin_tensor(x):
+            try:
+                address = x.data_ptr()
+            except RuntimeError:  # no storage: sparse, nested
+                address = -1
+            if small_start <= address < small_end:
+                return x  # a view of the batch's small buffer (page-locked): no storage lookup
             if x.device.type == "cpu" and x.layout == torch.strided:
                 address = x.untyped_storage().data_ptr()
                 locked = seen.get(address)
@@ -227,8 +237,13 @@ class SlotGate:
         return map_batch(batch, leaf)
 
     def small_buffer(self, nbytes: int) -> torch.Tensor:
-        """A batch's private buffer for its small tensors, page-locked (codec.decode)."""
-        return self._rt.empty_pinned(nbytes)
+        """A batch's private buffer for its small tensors, page-locked (codec.decode).
+        pin() of the batch decoded last knows its tensors there by address alone."""
+        buffer = self._rt.empty_pinned(nbytes)
+        start = buffer.data_ptr()
+        # held until that pin(): its memory cannot be handed to another tensor meanwhile
+        self._small, self._small_span = buffer, (start, start + nbytes)
+        return buffer
 
     # -- cooling -------------------------------------------------------------------
     def use_copy_events(self, latest) -> None:
