@@ -209,7 +209,8 @@ _watched: dict[int, Any] = {}  # watch_stream(): cuda_stream -> stream
 def watch_stream(stream) -> None:
     """Have every pool of this process hold a released slot until the work queued on
     `stream` before the release has finished: for a stream torch did not hand out
-    (`torch.cuda.ExternalStream`, another library's) on which batches are copied."""
+    (`torch.cuda.ExternalStream`, another library's) on which batches are copied.
+    For the rest of the process (one query per release each); main process only."""
     _watched[stream.cuda_stream] = stream
 
 
