@@ -19,8 +19,9 @@ Method, in one process on the machine's CUDA devices:
 2. H2D bandwidth: a --mib MiB source copied to the device 10 times (after a warm-up)
    from (a) a poolloader slot registered with cudaHostRegister, (b) a torch-pinned
    tensor (pin_memory()), (c) a pageable tensor. GB/s, median [min–max].
-3. Gate cost: microseconds per release (marker over every busy torch stream of every
-   device with a context) with the default stream busy, over 200 releases.
+3. Gate cost: microseconds per release (marker over the streams that may hold work:
+   default, pool streams handed out, current) with the default stream busy, over
+   200 releases.
 4. Loader throughput on the RF-DETR shape (bench/common.py's `RFDETRShaped` and
    `RFDETRCollate("per_sample")`: batch 16 of 3×576×576 float32 images, 576×576 bool
    masks, 16 target dicts of 7 tensors) at --workers (8,16,32) for
@@ -28,8 +29,11 @@ Method, in one process on the machine's CUDA devices:
    Every arm copies every batch to the GPU (non_blocking) and synchronises at the
    end; img/s over --batches batches after 5 warm-up ones, median [min–max] over
    --reps repetitions interleaved by bench/common.py's runner, and the paired ratio
-   to DataLoader. A worker count whose prefetched batches would not fit in /dev/shm
-   is skipped, with a note.
+   to DataLoader. Also the main thread's CPU time per batch over the same window
+   (time.thread_time: next(), del, issuing the copies) and DataLoader's pin-memory
+   thread's (/proc schedstat): the work PoolLoader's gate does on the main thread
+   against the work DataLoader does on its pin thread. A worker count whose
+   prefetched batches would not fit in /dev/shm is skipped, with a note.
 
 Prints Markdown tables and writes every number as JSON (--json, default
 gpu-bench.json; or --out DIR). Without CUDA it says so and exits 2; past --budget
@@ -249,7 +253,7 @@ def run_loader(kind: str, workers: int, batches: int, data) -> dict:
     else:
         loader = PoolLoader(data, device="cuda", slot_bytes=RFDETR_BATCH_BYTES, **kw)
     it = iter(loader)
-    n, t0 = 0, 0.0
+    n, t0, main0, pin0 = 0, 0.0, 0, 0
     try:
         for batch in it:
             if not batch[0].is_cuda:
@@ -260,14 +264,30 @@ def run_loader(kind: str, workers: int, batches: int, data) -> dict:
             if n == 5:
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
+                main0, pin0 = time.thread_time_ns(), _pin_thread_ns(it)
             if n == batches + 5:
                 break
+        main_ns, pin_ns = time.thread_time_ns() - main0, _pin_thread_ns(it) - pin0
         torch.cuda.synchronize()
         if n < batches + 5:
             raise common.BenchError(f"{kind}: {n} batches, {batches + 5} expected")
-        return {"img_s": batches * common.BATCH / (time.perf_counter() - t0)}
+        return {"img_s": batches * common.BATCH / (time.perf_counter() - t0),
+                "main_ms": main_ns / batches / 1e6, "pin_thread_ms": pin_ns / batches / 1e6}
     finally:
         common.shutdown_iterator(it)
+
+
+def _pin_thread_ns(it) -> int:
+    """CPU time of DataLoader's pin-memory thread so far (0 for PoolLoader, which has none)."""
+    thread = getattr(it, "_pin_memory_thread", None)
+    tid = getattr(thread, "native_id", None)
+    if tid is None:
+        return 0
+    try:
+        with open(f"/proc/self/task/{tid}/schedstat") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def throughput(workers: list[int], batches: int, reps: int, notes: list[str]) -> common.Raw:
@@ -373,6 +393,12 @@ def main(argv=None) -> int:
             ["workers", *(f"{a} img/s" for a in ARMS), *(f"{a} / DataLoader" for a in ARMS[1:])],
             [(w, *(common.cell_text(raw, w, a, "img_s") for a in ARMS),
               *(common.ratio_text(raw, w, a, ARMS[0], "img_s") for a in ARMS[1:])) for w in raw.cells]))
+        say("\nCPU ms per batch on the main thread (next(), del and the .to() copies issued; "
+            "the GPU's time excluded) and on DataLoader's pin-memory thread, which PoolLoader "
+            "does not have:\n\n" + common.markdown_table(
+                ["workers", *(f"{a} main" for a in ARMS), f"{ARMS[0]} pin thread"],
+                [(w, *(common.cell_text(raw, w, a, "main_ms", ".3f") for a in ARMS),
+                  common.cell_text(raw, w, ARMS[0], "pin_thread_ms", ".3f")) for w in raw.cells]))
         status = 1 if corrupted else 0
     except OutOfBudget:
         results["notes"].append(f"stopped after the --budget of {args.budget} s")

@@ -7,6 +7,7 @@ its own session, so a crash, a hang or a leak in one cannot touch the next):
   payload   bench/payload.py   1 MiB -> 256 MiB batches: main ms/batch, GiB/s
   train     bench/train.py     examples/train_detector.py end to end, img/s
   handoff   bench/handoff.py   the headline hand-off ablation
+  stages    bench/stages.py    a batch's main-thread and worker cost, stage by stage
   keep      bench/keep.py      the consumer keeps every batch: main ms, shm held
   fd_limits bench/fd_limits.py descriptor limits
   ring      bench/ring.py      ring vs multiprocessing Pipe/Queue
@@ -55,6 +56,7 @@ BENCHES = [
     ("payload", "payload size sweep"),
     ("train", "end-to-end training (examples/train_detector.py)"),
     ("handoff", "worker -> main hand-off ablation (headline)"),
+    ("stages", "per-stage cost of a batch, main thread and worker"),
     ("keep", "the consumer keeps every batch"),
     ("fd_limits", "file-descriptor limits"),
     ("ring", "ring vs multiprocessing"),

@@ -1,6 +1,7 @@
 """poolloader: a drop-in torch DataLoader whose workers write batches into
 preallocated, reused shared-memory slots; only slot indices cross processes."""
 from poolloader.collate import slot_collate, slot_empty
+from poolloader.cuda_runtime import watch_stream
 from poolloader.detection import DetectionCollate, PackedTargets, pack_targets
 from poolloader.errors import (
                                ControlCorrupt,
@@ -17,7 +18,7 @@ from poolloader.stats import LoaderStats
 
 __all__ = [
     "PoolLoader", "LoaderStats", "slot_collate", "slot_empty",
-    "DetectionCollate", "PackedTargets", "pack_targets",
+    "DetectionCollate", "PackedTargets", "pack_targets", "watch_stream",
     "ControlCorrupt", "PoolExhausted", "RingClosed", "RingTimeout", "ShmSpaceError",
     "SlotCorrupt", "StallWarning", "WorkerDied",
 ]

@@ -28,6 +28,7 @@ crash, a hang or an allocation sized by a corrupt field.
 """
 from __future__ import annotations
 
+import ctypes
 import io
 import pickle
 import zlib
@@ -245,7 +246,9 @@ class _SkeletonPickler(pickle.Pickler):
                 order = _order(obj)
                 np.ndarray(obj.shape, obj.dtype, buffer=w.np_u8, offset=off, order=order)[...] = obj
             else:
-                w.u8[off:off + nbytes].view(obj.dtype).copy_(_span(obj, nbytes // obj.element_size()))
+                # a strided CPU tensor's span is one run of memory from its first element
+                # (_span): one memmove, not a slice, a view and a copy_ per small tensor
+                ctypes.memmove(w.address + off, obj.data_ptr(), nbytes)
 
 
 def _order(a: np.ndarray) -> Literal["C", "F"]:
@@ -313,11 +316,11 @@ class _FallbackUnpickler(pickle.Unpickler):
 
 
 class _SkeletonUnpickler(_FallbackUnpickler):
-    def __init__(self, file, lease: Lease, small: torch.Tensor | None, pin_small: bool = False):
+    def __init__(self, file, lease: Lease, small: torch.Tensor | None, small_buffer=None):
         super().__init__(file)
         self.lease = lease        # the batch's bytes of the data region [DATA_OFF, data end)
         self.small = small        # private copy of the small block (uint8), or None
-        self.pin_small = pin_small
+        self.small_buffer = small_buffer  # allocates it (page-locked with pin_memory), or None
         self.small_typed = [None] * _NUM_DTYPES
         self.views = 0
 
@@ -325,7 +328,8 @@ class _SkeletonUnpickler(_FallbackUnpickler):
         # A batch whose small tensors are all empty has a small block of 0 bytes, and
         # none is copied: its empty tensors get an empty private buffer of their own.
         if self.small is None:
-            self.small = torch.empty(0, dtype=torch.uint8, pin_memory=self.pin_small)
+            self.small = (torch.empty(0, dtype=torch.uint8) if self.small_buffer is None
+                          else self.small_buffer(0))
         return self.small
 
     def persistent_load(self, pid):
@@ -404,8 +408,16 @@ def check_header(header: np.ndarray, slot_size: int) -> tuple[int, int, int, int
     return data_len, small_off, small_len, skel_off, skel_len
 
 
+def copy_small(mapping, small_off: int, small_len: int, small_buffer=None) -> torch.Tensor:
+    """The batch's private copy of its small block: one allocation, one copy."""
+    small = (torch.empty(small_len, dtype=torch.uint8) if small_buffer is None
+             else small_buffer(small_len))
+    small.numpy()[:] = np.frombuffer(mapping, np.uint8, count=small_len, offset=small_off)
+    return small
+
+
 def decode(mapping, header: np.ndarray, registry: dict | None = None, on_release=None,
-           key=None, pin_small: bool = False):
+           key=None, small_buffer=None):
     """Rebuild the payload of a published slot.
 
     Returns (payload, lease). The lease covers the data region; it is created first
@@ -427,11 +439,8 @@ def decode(mapping, header: np.ndarray, registry: dict | None = None, on_release
     if crc != int(header[F_SKELETON_CRC]):
         raise SlotCorrupt(f"slot skeleton checksum {crc:#010x} does not match the header's "
                           f"{int(header[F_SKELETON_CRC]):#010x} ({skel_len} bytes at {skel_off})")
-    small = None
-    if small_len:
-        small = torch.empty(small_len, dtype=torch.uint8, pin_memory=pin_small)
-        small.numpy()[:] = np.frombuffer(mapping, np.uint8, count=small_len, offset=small_off)
-    unpickler = _SkeletonUnpickler(io.BytesIO(skeleton), lease, small, pin_small)
+    small = copy_small(mapping, small_off, small_len, small_buffer) if small_len else None
+    unpickler = _SkeletonUnpickler(io.BytesIO(skeleton), lease, small, small_buffer)
     try:
         payload = unpickler.load()
     except SlotCorrupt:

@@ -11,16 +11,25 @@ thread's stream), and the batch may die long before the copy runs.
 What the gate waits for. When a batch's last view dies its lease queues the slot (a
 deque append: no lock, no CUDA call). The iterator finds it on its next call and calls
 `release(key)`, which takes a *marker*: on every device that has a CUDA context, an
-event on every stream torch created there that still has work queued (the default
-stream, every stream of torch's stream pool — what `torch.cuda.Stream()` hands out —
-and the calling thread's current stream). Every copy of the batch was queued before
-the batch died, so before the marker on its stream, or it has already run: the key is
-ready when all the marker's events have completed. With `device=` the only reader is
-the stager's copy stream, so the marker is the stager's own copy event. Streams torch
-did not create (`torch.cuda.ExternalStream`, another library's) cannot be seen: a copy
-issued there must be ordered before the current stream (`current_stream().wait_stream(s)`)
-before the next `next()`. torch's default stream and pool streams are non-blocking,
-so an event on the current stream alone would not cover a side stream's copy.
+event on every stream that may have work queued and still has (the default stream,
+every stream torch's pool has handed out so far — what `torch.cuda.Stream()` gives,
+to anyone, before or after the loader started —, the calling thread's current stream,
+and streams given to `poolloader.watch_stream`). Every copy of the batch was queued
+before the batch died, so before the marker on its stream, or it has already run: the
+key is ready when all the marker's events have completed. A pool stream nobody took
+has nothing queued, so the marker costs O(streams the program took), not O(torch's
+pool) (cuda_runtime._PoolWatch says how they are found, and when it must assume all).
+With `device=` the only reader is the stager's copy stream, so the marker is the
+stager's own copy event. Streams torch did not hand out (`torch.cuda.ExternalStream`,
+another library's) cannot be seen unless current at the release: register one that
+copies batches with `poolloader.watch_stream(stream)`, or order it before the current
+stream (`current_stream().wait_stream(s)`) before the next `next()`. torch's default
+stream and pool streams are non-blocking, so an event on the current stream alone
+would not cover a side stream's copy.
+
+Per batch the gate makes a constant number of CUDA calls: the marker above, a poll of
+the oldest cooling key only (`ready()`), and one page-lock check per storage in `pin()`
+(a batch's small tensors share one buffer, allocated page-locked).
 
 The CUDA surface all this uses is `CudaRuntime` below: `TorchCuda` implements it over
 torch.cuda and torch.cuda.cudart(); the tests drive the same gate with a deterministic
@@ -115,6 +124,8 @@ class SlotGate:
         self._starts: list[int] = []  # registered ranges, sorted, for is_slot_view
         self._ends: list[int] = []
         self._copy_event = None  # device=: the stager's latest copy event, called
+        self._small_span = (0, 0)  # [start, end) of the small buffer made last (small_buffer)
+        self._small: torch.Tensor | None = None
         self._host_views = False  # device=: a delivered batch kept host views of a slot
         self._deferring = False
         self._closed = False
@@ -190,19 +201,49 @@ class SlotGate:
         """DataLoader's pin_memory for a host batch: views of registered slots stay as
         they are; other tensors (pickled fallbacks: sparse, subclasses, requires_grad)
         are pinned by torch, and a custom type's pin_memory() is called, as
-        DataLoader's pin-memory thread does."""
+        DataLoader's pin-memory thread does (a type with `map_tensors`, PackedTargets,
+        has its tensors treated as the batch's). Looks once per storage: the batch's
+        small tensors share one buffer, allocated page-locked (`small_buffer`)."""
         rt = self._rt
+        seen: dict[int, bool] = {}  # storage address -> page-locked already
+        small_start, small_end = self._small_span
+        self._small_span, self._small = (0, 0), None
+
+        def pin_tensor(x):
+            try:
+                address = x.data_ptr()
+            except RuntimeError:  # no storage: sparse, nested
+                address = -1
+            if small_start <= address < small_end:
+                return x  # a view of the batch's small buffer (page-locked): no storage lookup
+            if x.device.type == "cpu" and x.layout == torch.strided:
+                address = x.untyped_storage().data_ptr()
+                locked = seen.get(address)
+                if locked is None:
+                    locked = seen[address] = self.is_slot_view(x) or rt.is_pinned(x)
+                if locked:
+                    return x  # a slot view, or in the batch's pinned small buffer
+            return rt.pin_tensor(x, device)
 
         def leaf(x):
             if isinstance(x, torch.Tensor):
-                if self.is_slot_view(x) or (x.device.type == "cpu" and x.is_pinned()):
-                    return x  # a slot view, or the batch's small buffer allocated pinned
-                return rt.pin_tensor(x, device)
+                return pin_tensor(x)
+            if callable(getattr(x, "map_tensors", None)):  # PackedTargets: its tensors alike
+                return x.map_tensors(pin_tensor)
             if hasattr(x, "pin_memory"):
                 return x.pin_memory()
             return _DESCEND
 
         return map_batch(batch, leaf)
+
+    def small_buffer(self, nbytes: int) -> torch.Tensor:
+        """A batch's private buffer for its small tensors, page-locked (codec.decode).
+        pin() of the batch decoded last knows its tensors there by address alone."""
+        buffer = self._rt.empty_pinned(nbytes)
+        start = buffer.data_ptr()
+        # held until that pin(): its memory cannot be handed to another tensor meanwhile
+        self._small, self._small_span = buffer, (start, start + nbytes)
+        return buffer
 
     # -- cooling -------------------------------------------------------------------
     def use_copy_events(self, latest) -> None:
@@ -248,17 +289,27 @@ class SlotGate:
         return list(self._cooling)
 
     def ready(self) -> list:
-        if not self._cooling or not self._mine():
+        # Only the oldest cooling key is polled, and only until one of its events is
+        # not done: O(1) per call, however many keys cool. Keys are returned in
+        # release order, each only once its own events completed. A later key is
+        # usually done no earlier than an older one (a stream runs its work in order,
+        # and a later marker has an event on every stream still busy from an earlier
+        # one). Where a later key completes first (the older one's event is on a
+        # stream that was current then and is not listed now, e.g. an ExternalStream),
+        # it waits behind the older key: released later than it could be, never early.
+        cooling = self._cooling
+        if not cooling or not self._mine():
             return []
         done = self._rt.event_done
         out = []
-        for key, events in self._cooling.items():
+        for key, events in cooling.items():
+            while events and done(events[-1]):
+                events.pop()
             if events:
-                events[:] = [e for e in events if not done(e)]
-            if not events:
-                out.append(key)
+                break
+            out.append(key)
         for key in out:
-            del self._cooling[key]
+            del cooling[key]
         return out
 
     def wait_any(self, timeout: float) -> list:

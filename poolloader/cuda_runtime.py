@@ -43,8 +43,11 @@ class CudaRuntime(Protocol):
         """Devices on which this process has a CUDA context (none: no work can be queued)."""
 
     def streams(self, device: int) -> list[Any]:
-        """Every stream of `device` a copy could be queued on that torch knows: its
-        default stream, its stream pool, the calling thread's current stream."""
+        """Every stream of `device` that may have work queued and that this process can
+        know of: its default stream, every stream of torch's pool handed out so far (to
+        anyone), the calling thread's current stream, and the streams given to
+        `watch_stream`. One call costs O(those streams), never O(torch's pool): a pool
+        stream nobody took has nothing queued."""
 
     def current_stream(self, device: int) -> Any: ...
 
@@ -75,6 +78,12 @@ class CudaRuntime(Protocol):
 
     def pin_tensor(self, tensor: torch.Tensor, device) -> torch.Tensor:
         """DataLoader's pinning of one tensor that is not slot memory."""
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        """Whether a CPU tensor's memory is page-locked (`tensor.is_pinned()`)."""
+
+    def empty_pinned(self, nbytes: int) -> torch.Tensor:
+        """A new page-locked uint8 CPU tensor of `nbytes` (a batch's small buffer)."""
 
     def host_register(self, address: int, size: int) -> int:
         """cudaHostRegister (portable); the CUDA error code, 0 on success."""
@@ -112,37 +121,111 @@ def _loaded_cudart():
     return None
 
 
-def _torch_pool_streams(device: int) -> list:
-    """The default stream and every stream of torch's pool on `device`.
+def _pool_index(stream) -> int:
+    """A pool stream's index in its priority level: c10's StreamId keeps it above the
+    type bits (c10/cuda/CUDAStream.cpp: index << (kStreamTypeBits + 1)). Checked once
+    per level by _PoolWatch, which falls back to watching the whole pool if it is not."""
+    return (stream.stream_id >> 5) & 31
 
-    torch.cuda.Stream() hands out pool streams round-robin, per priority level, so
-    asking until one repeats lists a level whole whatever its size; the counter ends
-    one step further, which only shifts which pool stream the next caller gets.
+
+class _PoolWatch:
+    """Which streams of torch's stream pool on one device have been handed out.
+
+    torch.cuda.Stream() (and C++ getStreamFromPool) hands out a priority level's
+    streams round-robin from a per-process counter that starts at 0, so a stream
+    this runtime takes itself tells where the counter is: every index between the
+    one it took last time and the one it takes now went to someone else. At the
+    first look every stream before the counter was handed out. A level costs one
+    torch.cuda.Stream() per look (no CUDA call once the pool exists).
+
+    Where this cannot be exact, it is conservative: if the index layout is not the
+    one expected (another torch), every stream of the pool is watched, as before. If
+    a level's 32 streams are taken 32 times or more between two looks (or before the
+    first), the counter has wrapped and the look cannot see it: then, too, watch them
+    (`poolloader.watch_stream`) or take one stream per role, as torch's pool note asks.
     """
-    found = {}
-    default = torch.cuda.default_stream(device)
-    found[default.cuda_stream] = default
-    least, greatest = default.priority_range()
-    for priority in range(least, greatest - 1, -1):
+
+    def __init__(self, device: int) -> None:
+        self.device = device
+        default = torch.cuda.default_stream(device)
+        self.taken: dict[int, Any] = {default.cuda_stream: default}
+        self.levels: dict[int, tuple[list, int]] = {}  # priority -> (streams by index, next index)
+        least, greatest = default.priority_range()
+        for priority in range(least, greatest - 1, -1):
+            level = self._level(priority)
+            if level is None:
+                continue
+            by_index, first = level
+            for i in range(first):  # handed out before this runtime looked
+                self._take(by_index[i])
+            # our probes went round once and took `first` again: the counter is one past it
+            self.levels[priority] = (by_index, (first + 1) % len(by_index))
+
+    def _level(self, priority: int) -> tuple[list, int] | None:
+        """(the level's streams by index, the index the counter was at), or None after
+        watching all of them (layout not as expected)."""
+        found: dict[int, Any] = {}
+        order = []
         for _ in range(_POOL_PROBE_MAX):
-            stream = torch.cuda.Stream(device=device, priority=priority)
+            stream = self._probe(priority)
             if stream.cuda_stream in found:
                 break
             found[stream.cuda_stream] = stream
-    return list(found.values())
+            order.append(_pool_index(stream))
+        n = len(order)
+        if sorted(order) != list(range(n)) or any(
+                order[k] != (order[0] + k) % n for k in range(n)):
+            for stream in found.values():
+                self._take(stream)
+            return None
+        by_index: list = [None] * n
+        for stream in found.values():
+            by_index[_pool_index(stream)] = stream
+        return by_index, order[0]
+
+    def _take(self, stream) -> None:
+        self.taken[stream.cuda_stream] = stream
+
+    def _probe(self, priority: int):
+        if torch.cuda.current_device() == self.device:
+            return torch.cuda.Stream(priority=priority)  # no device switch: the cheap path
+        return torch.cuda.Stream(device=self.device, priority=priority)
+
+    def look(self) -> None:
+        """Note every stream handed out since the last look."""
+        for priority, (by_index, expected) in self.levels.items():
+            got = _pool_index(self._probe(priority))
+            n = len(by_index)
+            i = expected
+            while i != got:
+                self._take(by_index[i])
+                i = (i + 1) % n
+            self.levels[priority] = (by_index, (got + 1) % n)
+
+
+_watched: dict[int, Any] = {}  # watch_stream(): cuda_stream -> stream
+
+
+def watch_stream(stream) -> None:
+    """Have every pool of this process hold a released slot until the work queued on
+    `stream` before the release has finished: for a stream torch did not hand out
+    (`torch.cuda.ExternalStream`, another library's) on which batches are copied.
+    For the rest of the process (one query per release each); main process only."""
+    _watched[stream.cuda_stream] = stream
 
 
 class TorchCuda:
     """CudaRuntime over torch.cuda and torch.cuda.cudart(); one per process (`torch_runtime()`).
 
-    A marker costs one cudaStreamQuery per known stream per device with a context
-    (the default stream and torch's pool: 1 + 32 per priority level) and one event
-    per busy stream.
+    A marker costs, per device with a context, one look at torch's stream pool
+    (_PoolWatch: a torch.cuda.Stream() per priority level), one cudaStreamQuery per
+    stream that may have work (the default stream, the pool streams handed out so
+    far, the current stream, watched ones) and one event per busy one.
     """
 
     def __init__(self) -> None:
         self._cudart = torch.cuda.cudart()
-        self._known: dict[int, tuple[list, set]] = {}
+        self._pools: dict[int, _PoolWatch] = {}
         self._lib = _loaded_cudart()
         self._has_context = getattr(torch._C, "_cuda_hasPrimaryContext", None)
 
@@ -155,14 +238,20 @@ class TorchCuda:
         return [d for d in range(n) if self._has_context(d)]
 
     def streams(self, device: int) -> list:
-        known = self._known.get(device)
-        if known is None:
-            pool = _torch_pool_streams(device)
-            known = self._known[device] = (pool, {s.cuda_stream for s in pool})
+        pool = self._pools.get(device)
+        if pool is None:
+            pool = self._pools[device] = _PoolWatch(device)
+        else:
+            pool.look()
+        taken = pool.taken
         current = torch.cuda.current_stream(device)
-        if current.cuda_stream in known[1]:
-            return known[0]
-        return known[0] + [current]  # an ExternalStream made current
+        listed = list(taken.values())
+        if current.cuda_stream not in taken:
+            listed.append(current)  # an ExternalStream made current
+        for key, stream in _watched.items():
+            if key not in taken and key != current.cuda_stream and stream.device.index == device:
+                listed.append(stream)
+        return listed
 
     def current_stream(self, device: int):
         return torch.cuda.current_stream(device)
@@ -209,6 +298,12 @@ class TorchCuda:
 
     def pin_tensor(self, tensor, device):
         return _torch_pin_memory(tensor, device)
+
+    def is_pinned(self, tensor) -> bool:
+        return tensor.is_pinned()
+
+    def empty_pinned(self, nbytes: int):
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def host_register(self, address: int, size: int) -> int:
         return int(self._cudart.cudaHostRegister(address, size, _HOST_REGISTER_PORTABLE))

@@ -137,9 +137,13 @@ class PackedTargets:
 
     def pin_memory(self) -> PackedTargets:
         """A PackedTargets in page-locked memory (what torch's pin-memory thread calls)."""
-        fields = {k: v.pin_memory() for k, v in self.fields.items()}
-        return PackedTargets._unchecked(fields, self.counts.pin_memory(), self.stacked,
-                                        self._offsets)
+        return self.map_tensors(torch.Tensor.pin_memory)
+
+    def map_tensors(self, fn) -> PackedTargets:
+        """The same targets with `fn(tensor)` in place of every field and the counts (which
+        must keep their shapes): how a loader pins or moves them its own way."""
+        fields = {k: fn(v) for k, v in self.fields.items()}
+        return PackedTargets._unchecked(fields, fn(self.counts), self.stacked, self._offsets)
 
     def is_pinned(self) -> bool:
         """True when counts and every field are in page-locked memory."""

@@ -21,7 +21,14 @@ import time
 
 import torch
 from torch._utils import ExceptionWrapper
-from torch.utils.data import IterDataPipe, MapDataPipe
+from torch.utils.data import (
+    BatchSampler,
+    DistributedSampler,
+    IterDataPipe,
+    MapDataPipe,
+    RandomSampler,
+    SequentialSampler,
+)
 from torch.utils.data.dataloader import (
     _BaseDataLoaderIter,
     _MultiProcessingDataLoaderIter,
@@ -30,13 +37,22 @@ from torch.utils.data.dataloader import (
 
 from poolloader import codec, cuda, stall, startup, supervise
 from poolloader import slot_format as fmt
-from poolloader.cuda_runtime import TorchCuda
 from poolloader.errors import ControlCorrupt, SlotCorrupt, WorkerDied
 from poolloader.ledger import SlotLedger, plan_sizes
 from poolloader.pool import SlotPool
 from poolloader.resume_state import ResumeTracker
 from poolloader.stats import LoaderStats
 from poolloader.worker import WorkerConfig, worker_loop
+
+# torch's samplers whose every index is a Python int (exact types: a subclass may differ)
+_INT_SAMPLERS = (SequentialSampler, RandomSampler, DistributedSampler)
+
+
+def _yields_int_lists(index_sampler) -> bool:
+    """Whether every request is a list of Python ints: torch's BatchSampler over one of
+    torch's int samplers (DataLoader's default for shuffle=False/True, and the
+    distributed one). Such requests are written raw (slot_format.encode_request)."""
+    return type(index_sampler) is BatchSampler and type(index_sampler.sampler) in _INT_SAMPLERS
 
 
 def _stall_reporter(workers, pool: SlotPool, ledger: SlotLedger, sent: dict):
@@ -76,12 +92,13 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         self._last_delivery: float | None = None
         # slot -> the sample indices sent in its request (a reference): stall reports
         self._sent_indices: dict[int, object] = {}
+        self._int_list_requests = _yields_int_lists(self._index_sampler)
         # gate: registers slots and gates their reuse on CUDA copies; stager: what
         # _next_data hands each host batch to (pinning, or device= copies one ahead)
         self._gate = self._stager = None
         self._gate, self._stager = cuda.setup(loader, self._pin_memory,
                                               getattr(self, "_pin_memory_device", None))
-        self._pin_small = self._gate is not None and isinstance(self._gate._rt, TorchCuda)
+        self._small_buffer = self._gate.small_buffer if self._gate is not None else None
         n = self._num_workers
         size = plan_sizes(loader, gated=self._gate is not None)
         self._epoch = 0
@@ -123,7 +140,8 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                     drop_last=self._drop_last, base_seed=int(self._base_seed),
                     init_fn=None if shared else init_fn, worker_id=i, num_workers=n,
                     pool=self._pool.locator, resume=self._resume.worker_plan(i),
-                    shared=shared.ticket if shared else None, shared_seed=self._shared_seed)
+                    shared=shared.ticket if shared else None, shared_seed=self._shared_seed,
+                    capture=loader.stateful)
                 self._workers.append(supervise.start_worker(ctx, worker_loop, (cfg,)))
             supervise.track(self)
             self._stats._attach(self._pool, self._ledger)
@@ -274,7 +292,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         ledger = self._ledger
         slot = None
         try:
-            request = fmt.pickle_request(index)
+            request = fmt.encode_request(index, self._int_list_requests)
             slot = ledger.take(fmt.request_slot_bytes(request))
             fmt.write_request(ledger.mapping(slot), ledger.header(slot), self._send_idx,
                               self._epoch, worker, request, self._shared_seed)
@@ -429,7 +447,8 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
             # from the lease's registration inside decode, the slot is the lease's:
             # whatever happens next, its death gives the slot back
             payload, _lease = codec.decode(ledger.mapping(slot), header, ledger.leases,
-                                         ledger.on_release, slot, pin_small=self._pin_small)
+                                         ledger.on_release, slot,
+                                         small_buffer=self._small_buffer)
             del _lease
         except BaseException:
             self._refill()

@@ -6,7 +6,7 @@ iterator call the functions below and never index the header themselves.
 A slot is one page-aligned shared segment:
 
     0            header: HEADER_FIELDS u64, fields F_* below
-    REQUEST_OFF  request area: main writes the pickled sampler index here (a larger
+    REQUEST_OFF  request area: main writes the sampler index here (encode_request; a larger
                  index goes at DATA_OFF instead: main owns the whole slot while it
                  writes a request, and the worker reads it before writing data);
                  once read, the worker writes its reply's resume state here
@@ -37,6 +37,7 @@ pickling would carry it: lossless, one copy, documented as the fallback.
 from __future__ import annotations
 
 import pickle
+import struct
 
 import numpy as np
 import torch
@@ -50,7 +51,7 @@ HEADER_FIELDS = 17
  F_SEQ,            # the batch's send index (main writes, worker echoes: main's ownership check)
  F_EPOCH,          # main's epoch counter: a new value makes the worker restart its fetcher
  F_WORKER,         # the worker main sent the request to (main writes, worker echoes)
- F_REQUEST_OFF,    # where the pickled index starts (REQUEST_OFF, or DATA_OFF when large)
+ F_REQUEST_OFF,    # where the encoded index starts (REQUEST_OFF, or DATA_OFF when large)
  F_REQUEST_LEN,    # its length in bytes
  F_DATA_LEN,       # bytes of the data region in use (64-byte multiple)
  F_SMALL_OFF,      # absolute offset of the small block (>= DATA_OFF + data length)
@@ -130,8 +131,30 @@ class NeedsGrow(Exception):
 # ---------------------------------------------------------------------------
 # the header: requests (main writes, worker reads), replies (worker writes, main reads)
 
-def pickle_request(index) -> bytes:
+# A request is the sampler's index, as the worker's fetcher must see it. A list of
+# Python ints (what torch's samplers give a BatchSampler) goes as raw int64 after
+# INT64_REQUEST; anything else is pickled (a pickle starts with its PROTO opcode,
+# 0x80, never with this tag).
+INT64_REQUEST = b"PLi64\0\0\0"
+
+
+def encode_request(index, int_list: bool = False) -> bytes:
+    """The bytes of a request for `index`. `int_list`: the caller knows `index` is a list
+    of Python ints (a torch sampler's batch), so it is written raw, without pickling;
+    an int beyond int64 still falls back to pickle. read_request gives back an object
+    of the same types either way."""
+    if int_list and type(index) is list:
+        packer = _INT64_PACKERS.get(len(index))
+        if packer is None:
+            packer = _INT64_PACKERS[len(index)] = struct.Struct(f"={len(index)}q")
+        try:
+            return INT64_REQUEST + packer.pack(*index)
+        except struct.error:  # an int beyond int64
+            pass
     return pickle.dumps(index, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+_INT64_PACKERS: dict[int, struct.Struct] = {}  # by batch length: a few per loader
 
 
 def request_slot_bytes(request: bytes) -> int:
@@ -141,7 +164,7 @@ def request_slot_bytes(request: bytes) -> int:
 
 def write_request(mapping, header: np.ndarray, seq: int, epoch: int, worker: int,
                   request: bytes, shared_seed: int | None = None) -> None:
-    """Main, owning the slot: the pickled index, the fields the worker echoes, and the
+    """Main, owning the slot: the encoded index, the fields the worker echoes, and the
     epoch's shared seed (None: the dataset is not an IterDataPipe).
 
     An index larger than the request area goes at DATA_OFF; the caller has made the
@@ -181,7 +204,13 @@ def read_request(mapping, header: np.ndarray):
     if off not in (REQUEST_OFF, DATA_OFF) or off + n > mapping.size or (
             off == REQUEST_OFF and n > REQUEST_MAX):
         raise SlotCorrupt(f"request of {n} bytes at {off} is outside the slot ({mapping.size} bytes)")
-    return pickle.loads(memoryview(mapping)[off:off + n])
+    request = memoryview(mapping)[off:off + n]
+    tag = len(INT64_REQUEST)
+    if request[:tag] == INT64_REQUEST:
+        if (n - tag) % 8:
+            raise SlotCorrupt(f"an int64 request of {n - tag} bytes is not a whole number of int64")
+        return request[tag:].cast("q").tolist()  # native order, as packed
+    return pickle.loads(request)
 
 
 def mark_grow(header: np.ndarray, needed: int) -> None:

@@ -50,6 +50,7 @@ class WorkerConfig:
     # (spawn / forkserver; None: they came with this config)
     shared: tuple | None = None
     shared_seed: int | None = None  # DataLoader's _shared_seed (IterDataPipe shuffles)
+    capture: bool = True  # PoolLoader(stateful=): each reply carries its resume record
 
 
 def _parent_alive(slots: WorkerSlots) -> bool:
@@ -194,7 +195,7 @@ def worker_loop(cfg: WorkerConfig) -> None:
                     finally:
                         slot_collate_mod._set_writer(None)
                 try:
-                    state = progress.capture(fetcher)
+                    state = progress.capture(fetcher) if cfg.capture else b""
                 except Exception:  # e.g. the dataset's state_dict(): reported like a fetch error
                     payload = ExceptionWrapper(where=f"in DataLoader worker process {cfg.worker_id}")
                     status, state = fmt.ST_ERROR, b""

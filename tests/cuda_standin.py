@@ -95,7 +95,8 @@ class SimCuda:
         self.unregister_calls = 0
         self.calls: list[tuple[int, str]] = []
         self.events: list[SimEvent] = []  # every event recorded, in order
-        self.pinned: list[torch.Tensor] = []
+        self.pinned: list[torch.Tensor] = []  # pin_tensor's copies
+        self.pinned_buffers: list[torch.Tensor] = []  # empty_pinned's buffers
         self.pin_devices: list = []
         self.violations: list[str] = []
 
@@ -262,6 +263,18 @@ class SimCuda:
         self.pinned.append(out)
         self.pin_devices.append(device)
         return out
+
+    def is_pinned(self, tensor):
+        self._log("is_pinned")
+        address = tensor.untyped_storage().data_ptr()
+        return any(t.layout == torch.strided and address == t.untyped_storage().data_ptr()
+                   for t in self.pinned + self.pinned_buffers)
+
+    def empty_pinned(self, nbytes):
+        self._log("empty_pinned")
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        self.pinned_buffers.append(buffer)
+        return buffer
 
     def host_register(self, address, size):
         self._log("host_register")

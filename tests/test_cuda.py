@@ -72,3 +72,18 @@ def test_side_stream_copy_with_next_outside_it():
     torch.cuda.synchronize()
     assert [o[:, 0, 0].tolist() for o in outs] == [[2.0 * k, 2.0 * k + 1] for k in range(32)]
     it._shutdown_workers()
+
+
+def test_marker_lists_only_the_pool_streams_handed_out():
+    # torch's pool has 32 streams per priority level; the gate queries only the ones
+    # some code took (before or after the loader started), the default and the current
+    from poolloader.cuda_runtime import torch_runtime
+    before = torch.cuda.Stream()  # a prefetcher's stream (taken before the first look if run alone)
+    rt = torch_runtime()
+    device = torch.cuda.current_device()
+    first = {s.cuda_stream for s in rt.streams(device)}
+    assert before.cuda_stream in first and torch.cuda.default_stream().cuda_stream in first
+    after = torch.cuda.Stream(priority=-1)
+    listed = {s.cuda_stream for s in rt.streams(device)}
+    assert after.cuda_stream in listed and first <= listed
+    assert len(listed) < 16  # not the whole pool (1 + 32 per priority level)

@@ -469,9 +469,12 @@ def test_gate_pins_like_dataloader_and_keeps_container_types():
     assert gate.is_slot_view(batch["view"]) and id(batch["view"]) not in pinned
     assert type(batch["pair"]) is Pair and gate.is_slot_view(batch["pair"].tensor)
     # what was pickled into the skeleton is pinned, as DataLoader's pin thread would
-    for key in ("sparse", "grad", "sub", "small"):
+    for key in ("sparse", "grad", "sub"):
         assert id(batch[key]) in pinned, key
         assert not gate.is_slot_view(batch[key])
+    # small tensors are in the batch's own buffer, allocated page-locked: kept as they are
+    assert id(batch["small"]) not in pinned and not gate.is_slot_view(batch["small"])
+    assert sim.is_pinned(batch["small"]) and len(sim.pinned_buffers) == 1
     assert batch["sparse"].is_sparse and batch["sparse"].to_dense().tolist() == [0.0, 0.0, 1.0, 0.0]
     assert type(batch["sub"]) is Sub and batch["grad"].requires_grad
     assert batch["custom"].pinned is True  # the batch type's own pin_memory()
@@ -543,3 +546,94 @@ def test_gate_forked_children_make_no_cuda_call():
     finally:
         os.close(read_fd)
         os.close(write_fd)
+
+
+class Labelled(Dataset):
+    """Sample i: a 64 KiB image full of i (a view of the slot) and `small` label tensors
+    (each copied into the batch's small buffer)."""
+
+    def __init__(self, n, small):
+        self.n, self.small = n, small
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return torch.full((4, ROW), float(i)), [torch.tensor([i, k]) for k in range(self.small)]
+
+
+# CUDA runtime calls main makes per batch with pin_memory, in steady state (here 6
+# with nothing cooling, 9 with 20 slots cooling, 12 where the pool is at its cap and
+# waits for the oldest): one look at the devices, one listing of the streams that may
+# hold copies (default and side), a query and at most an event per such stream, polls
+# of the oldest cooling slot, a bounded wait when the pool may not grow, the small
+# buffer and its one pinning check. It does not depend on the slots cooling or the
+# small tensors of the batch (before: every event of every cooling slot was polled,
+# and every small tensor was pinned on its own), nor on torch's stream pool
+# (TorchCuda lists only the pool streams handed out; test_cuda.py checks it on a GPU).
+CALLS_PER_BATCH = 14
+
+
+@pytest.mark.parametrize("small, lag, max_slots", [(1, 0, None), (60, 0, None), (1, 8, None),
+                                                   (60, 8, None), (1, 20, 40)])
+def test_gate_cuda_calls_per_batch_are_a_small_constant(small, lag, max_slots):
+    sim = SimCuda()
+    side = sim.stream(0)  # a prefetcher's copy stream, taken before the loader
+    loader = loader_with(sim, Labelled(64, small), pin_memory=True, prefetch_factor=2,
+                         max_slots=max_slots)
+    it = iter(loader)
+    per_batch, outs, cooling = [], [], []
+    for _ in range(32):
+        before = len(sim.calls)
+        images, labels = next(it)
+        per_batch.append(len(sim.calls) - before)
+        cooling.append(it._gate.pending)
+        assert len(labels) == small and sim.is_pinned(labels[-1])
+        sim.work(side, "step")
+        outs.append(sim.copy(images, side))
+        del images, labels
+        # the GPU runs `lag` batches behind the host: that many slots cool at once
+        sim.run(side, max(side.done, len(side.ops) - 2 * lag))
+    sim.run_all()
+    assert first_values(outs) == expected(32) and sim.violations == []
+    steady = per_batch[8:]
+    assert max(steady) <= CALLS_PER_BATCH, (steady, collections.Counter(
+        name for _pid, name in sim.calls))
+    assert (max(cooling[8:]) >= min(lag, 12) - 1) if lag else max(cooling[8:]) <= 1
+    it._shutdown_workers()
+    assert sim.registered == {}
+
+
+class Detections(Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        n = i % 3
+        target = {"boxes": torch.full((n, 4), i / 7), "labels": torch.arange(n) + i}
+        return torch.full((4, ROW), float(i)), target
+
+
+def _packed_collate(samples):
+    from poolloader import pack_targets
+    return torch.stack([s[0] for s in samples]), pack_targets([s[1] for s in samples])
+
+
+def test_gate_pins_packed_targets_per_storage_without_copies():
+    # PackedTargets' own pin_memory() would ask torch about each field; the gate treats
+    # its tensors as the batch's: slot views and small-buffer fields stay where they are
+    sim = SimCuda()
+    loader = loader_with(sim, Detections(), batch_size=4, collate_fn=_packed_collate,
+                         pin_memory=True)
+    ref = [_packed_collate([Detections()[i] for i in range(k, k + 4)]) for k in (0, 4)]
+    batches = list(loader)
+    names = [name for _pid, name in sim.calls]
+    # per batch one look at the images' storage and one at the small buffer's
+    assert names.count("is_pinned") <= 2 * len(batches) and "pin_tensor" not in names
+    for (images, targets), (want_images, want_targets) in zip(batches, ref):
+        assert type(targets).__name__ == "PackedTargets" and len(targets) == 4
+        assert torch.equal(images, want_images)
+        for got, want in zip(targets, want_targets):
+            assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+        assert all(sim.is_pinned(t) for t in (*targets.fields.values(), targets.counts))
+    assert sim.pinned == []  # nothing was copied to be pinned

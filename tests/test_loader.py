@@ -11,6 +11,7 @@ import time
 import warnings
 
 import loader_datasets as ds
+import numpy as np
 import proc
 import pytest
 import torch
@@ -364,3 +365,35 @@ def test_next_after_worker_death_and_after_the_end():
     assert len(list(b["index"].tolist() for b in it)) == 2
     with pytest.raises(StopIteration):
         next(it)
+
+
+class _IndexTypes(torch.utils.data.Dataset):
+    """Returns the type names of the index it is given and of its container."""
+
+    def __len__(self):
+        return 8
+
+    def __getitems__(self, indices):
+        return [(type(indices).__name__, type(i).__name__, int(i)) for i in indices]
+
+
+class _NumpyBatches(torch.utils.data.Sampler):
+    def __iter__(self):
+        return iter([[np.int64(0), np.int64(1)], [np.int64(2), 3]])
+
+    def __len__(self):
+        return 2
+
+
+@pytest.mark.parametrize("sampler", ["shuffle", "numpy"])
+def test_requests_reach_the_fetcher_with_the_samplers_types(sampler):
+    # torch's samplers' lists of ints go raw; any other index is pickled: both reach the
+    # dataset exactly as DataLoader's fetcher hands them over
+    kw = (dict(shuffle=True, batch_size=2) if sampler == "shuffle"
+          else dict(batch_sampler=_NumpyBatches()))
+    collate = list
+    ref = list(DataLoader(_IndexTypes(), num_workers=2, collate_fn=collate, **kw))
+    got = list(PoolLoader(_IndexTypes(), num_workers=2, collate_fn=collate, **kw))
+    assert [[t[:2] for t in b] for b in got] == [[t[:2] for t in b] for b in ref]
+    types = {t[:2] for b in got for t in b}
+    assert types == ({("list", "int")} if sampler == "shuffle" else {("list", "int64"), ("list", "int")})

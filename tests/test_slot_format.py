@@ -39,19 +39,44 @@ def encode(mapping, header, payload, status=fmt.ST_READY):
     writer.end()
 
 
-def test_requests_small_and_large_round_trip(slot):
+def _same(a, b) -> bool:
+    """Equal, with the same types throughout (1 == True == np.int64(1), but not here)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _round_trip(mapping, header, index, int_list):
+    request = fmt.encode_request(index, int_list)
+    assert (fmt.request_slot_bytes(request) == 0) == (len(request) <= fmt.REQUEST_MAX)
+    fmt.write_request(mapping, header, seq=7, epoch=2, worker=1, request=request)
+    assert fmt.request_epoch(header) == 2
+    got = fmt.read_request(mapping, header)
+    assert _same(got, index), (index, got)
+    return request.startswith(fmt.INT64_REQUEST)
+
+
+def test_requests_small_and_large_round_trip_with_their_types(slot):
     mapping, header = slot
-    for index in ([1, 2, 3], list(range(40_000))):
-        request = fmt.pickle_request(index)
-        assert (fmt.request_slot_bytes(request) == 0) == (len(request) <= fmt.REQUEST_MAX)
-        fmt.write_request(mapping, header, seq=7, epoch=2, worker=1, request=request)
-        assert fmt.read_request(mapping, header) == index
-        assert fmt.request_epoch(header) == 2
+    # a list of Python ints the caller vouches for (torch's samplers): raw int64
+    for index in ([1, 2, 3], list(range(40_000)), [], [-(1 << 63), (1 << 63) - 1]):
+        assert _round_trip(mapping, header, index, int_list=True)
+        assert not _round_trip(mapping, header, index, int_list=False)
+    # an int past int64 falls back to pickle; so does anything that is not a list
+    assert not _round_trip(mapping, header, [1 << 63, 2], int_list=True)
+    for index in ((1, 2), 7, "key", {"a": [1]}):
+        assert not _round_trip(mapping, header, index, int_list=True)
+    # other element types: pickled unless vouched for (the iterator vouches only for
+    # torch's samplers), and they come back as they went
+    for index in ([True, 1], [np.int64(3), 4], [1.0, 2], [[1], 2]):
+        assert not _round_trip(mapping, header, index, int_list=False)
 
 
 def test_reply_must_echo_batch_and_worker(slot):
     mapping, header = slot
-    fmt.write_request(mapping, header, seq=7, epoch=0, worker=1, request=fmt.pickle_request([0]))
+    fmt.write_request(mapping, header, seq=7, epoch=0, worker=1, request=fmt.encode_request([0]))
     encode(mapping, header, torch.zeros(2))
     assert fmt.reply_status(header, 0, seq=7, worker=1) == fmt.ST_READY
     with pytest.raises(SlotCorrupt, match="not the reply to batch 8"):

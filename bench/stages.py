@@ -1,0 +1,381 @@
+"""Where a batch's cost goes, stage by stage: the main thread's budget per batch
+(wait, decode, small-block copy, refill, resume record, CUDA gate) and a worker's
+(read request, fetch, collate, encode, capture), for PoolLoader with and without
+pin_memory and without resume capture, beside DataLoader's total, in one run.
+
+Data: the RF-DETR shape of bench/handoff.py (`common.RFDETRShaped`, batch 16,
+576x576), rows `packed` (images, mask, targets packed one tensor per field) and
+`per_sample` (the 16 target dicts as they are: 114 tensors).
+
+Arms (same data, same collate as bench/handoff.py):
+  dl           DataLoader, file_descriptor sharing: next()+del total only
+  pool         PoolLoader, pin_memory=False
+  pool_nostate PoolLoader, pin_memory=False, stateful=False (no resume capture)
+  pool_pin     PoolLoader, pin_memory=True, CUDA played by the stand-in of
+               tests/cuda_standin.py (these machines have no GPU): the gate's
+               CUDA calls are counted, not timed as a GPU would take them. A
+               "training step" is queued on a side stream after every batch and
+               run one batch later, so each release finds a busy stream.
+
+Method, per cell (workers x row x arm), per repetition: build the loader (fork
+workers), pull 2 x (workers x prefetch + 2) + 2 warm-up batches, then twice
+`--samples` timed `next(); del` pairs, each after sleeping until the prefetch
+queue is full (bench/handoff.py's `wait_ready`, so "wait" is the pop of a ready
+reply, not a worker's time):
+  1. plain: wall time of next() + del: the figure to compare with DataLoader;
+  2. staged: the same with timers wrapped around each stage's function in main
+     (exclusive times: a stage's callees are counted in their own stage), so
+     the stages show where the time goes; the wrappers add about 1 µs per call,
+     so this total is above the plain one. Each stage's figure is its median over
+     the pairs (a preempted pair does not move it); "other" is the staged
+     total's median minus the stages': torch's __next__, the reorder buffer, the
+     lease's release, the timers themselves.
+  Stage functions: wait = PoolLoaderIter._wait_returned; decode = codec.decode;
+  small copy = codec.copy_small; refill = PoolLoaderIter._refill; resume =
+  _reply_record + ResumeTracker.received/commit; gate = SlotGate release/ready/
+  wait_any/pin.
+  Workers time their own stages (installed by worker_init_fn, exclusive times,
+  summed in shared memory): read request = slot_format.read_request; fetch =
+  the fetcher's fetch() minus the collate; collate = the collate_fn; encode =
+  codec.encode + slot_format.write_state; capture = WorkerProgress.capture. Per
+  batch over the batches served during the staged phase.
+  CUDA calls per batch (pool_pin): calls on the stand-in during the staged phase
+  divided by its batches.
+Table: median [min-max] over repetitions, µs per batch. On a shared 2-core
+machine absolute times are noisy: compare within a run.
+
+Usage:
+  python bench/stages.py [--quick] [--workers 2,4] [--rows packed,per_sample]
+                         [--samples 30] [--reps 3] [--out DIR] [--json PATH]
+"""
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+
+import common  # noqa: E402
+import torch  # noqa: E402
+from common import BATCH  # noqa: E402
+from handoff import wait_ready  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+from torch.utils.data._utils import fetch as torch_fetch  # noqa: E402
+
+from poolloader import PoolLoader, codec, cuda, resume  # noqa: E402
+from poolloader import slot_format as fmt  # noqa: E402
+from poolloader.iterator import PoolLoaderIter  # noqa: E402
+from poolloader.resume_state import ResumeTracker  # noqa: E402
+
+NAME = "stages"
+ARMS = ["dl", "pool", "pool_nostate", "pool_pin"]
+ARM_LABEL = {"dl": "DataLoader", "pool": "PoolLoader", "pool_nostate": "PoolLoader stateful=False",
+             "pool_pin": "PoolLoader pin_memory (stand-in)"}
+MAIN_STAGES = ["wait", "decode", "small_copy", "refill", "resume", "gate"]
+WORKER_STAGES = ["read_request", "fetch", "collate", "encode", "capture"]
+
+
+# ---------------------------------------------------------------------------
+# timers: exclusive time per stage (a stage's callees are charged to their own)
+
+class StageClock:
+    def __init__(self, stages):
+        self.index = {s: i for i, s in enumerate(stages)}
+        self.total = [0] * len(stages)
+        self.stack: list[list[int]] = []  # per open call: [start ns, ns spent in callees]
+        self.on = True
+        self.restore: list[tuple] = []
+
+    def wrap(self, owner, name: str, stage: str) -> None:
+        original = getattr(owner, name)
+        i = self.index[stage]
+
+        def timed(*args, **kwargs):
+            if not self.on:
+                return original(*args, **kwargs)
+            frame = [time.perf_counter_ns(), 0]
+            self.stack.append(frame)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.stack.pop()
+                spent = time.perf_counter_ns() - frame[0]
+                self.total[i] += spent - frame[1]
+                if self.stack:
+                    self.stack[-1][1] += spent
+
+        timed.__wrapped__ = original  # type: ignore[attr-defined]
+        setattr(owner, name, timed)
+        self.restore.append((owner, name, original))
+
+    def unwrap(self) -> None:
+        for owner, name, original in reversed(self.restore):
+            setattr(owner, name, original)
+        self.restore = []
+
+
+MAIN = StageClock(MAIN_STAGES)
+
+
+def install_main_clock() -> None:
+    MAIN.wrap(PoolLoaderIter, "_wait_returned", "wait")
+    MAIN.wrap(codec, "decode", "decode")
+    MAIN.wrap(codec, "copy_small", "small_copy")
+    MAIN.wrap(PoolLoaderIter, "_refill", "refill")
+    MAIN.wrap(PoolLoaderIter, "_reply_record", "resume")
+    MAIN.wrap(ResumeTracker, "received", "resume")
+    MAIN.wrap(ResumeTracker, "commit", "resume")
+    for name in ("release", "ready", "wait_any", "pin"):
+        MAIN.wrap(cuda.SlotGate, name, "gate")
+
+
+class WorkerClocks:
+    """Worker-side stage totals in shared memory: per worker, one ns total per stage
+    and the batches served. Installed in each (forked) worker by `init`."""
+
+    def __init__(self, workers: int):
+        self.width = len(WORKER_STAGES) + 1
+        self.shared = multiprocessing.RawArray("d", workers * self.width)
+
+    def init(self, worker_id: int) -> None:
+        clock = StageClock(WORKER_STAGES)
+        row = worker_id * self.width
+        shared, n = self.shared, len(WORKER_STAGES)
+        clock.wrap(fmt, "read_request", "read_request")
+        clock.wrap(torch_fetch._MapDatasetFetcher, "fetch", "fetch")
+        clock.wrap(codec, "encode", "encode")
+        clock.wrap(fmt, "write_state", "encode")
+        clock.wrap(resume.WorkerProgress, "capture", "capture")
+        fetch = torch_fetch._MapDatasetFetcher.fetch
+
+        def fetch_and_publish(fetcher, index):
+            try:
+                return fetch(fetcher, index)
+            finally:  # publish the totals so far (the previous batch's encode included)
+                for i in range(n):
+                    shared[row + i] = clock.total[i]
+                shared[row + n] += 1
+
+        torch_fetch._MapDatasetFetcher.fetch = fetch_and_publish
+        CLOCKS_IN_WORKER.append(clock)
+
+    def snapshot(self) -> list[float]:
+        return list(self.shared)
+
+    def per_batch(self, before, after) -> dict:
+        n = len(WORKER_STAGES)
+        totals = [0.0] * n
+        batches = 0.0
+        for w in range(len(after) // self.width):
+            row = w * self.width
+            batches += after[row + n] - before[row + n]
+            for i in range(n):
+                totals[i] += after[row + i] - before[row + i]
+        if batches <= 1:
+            return {}
+        return {f"w_{s}_us": totals[i] / batches / 1e3 for i, s in enumerate(WORKER_STAGES)}
+
+
+CLOCKS_IN_WORKER: list[StageClock] = []
+
+
+class TimedCollate:
+    """The row's collate, timed in the worker (the "collate" stage)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __call__(self, samples):
+        clocks = CLOCKS_IN_WORKER
+        if not clocks:
+            return self.inner(samples)
+        clock = clocks[0]
+        frame = [time.perf_counter_ns(), 0]
+        clock.stack.append(frame)
+        try:
+            return self.inner(samples)
+        finally:
+            clock.stack.pop()
+            spent = time.perf_counter_ns() - frame[0]
+            clock.total[clock.index["collate"]] += spent - frame[1]
+            if clock.stack:
+                clock.stack[-1][1] += spent
+
+
+# ---------------------------------------------------------------------------
+# one cell
+
+def make_loader(arm: str, row: str, workers: int, dataset, batches: int, cfg, clocks):
+    kw = dict(batch_size=BATCH, num_workers=workers, sampler=range(batches * BATCH),
+              drop_last=True, prefetch_factor=cfg.prefetch, timeout=60,
+              multiprocessing_context="fork")
+    if arm == "dl":
+        return DataLoader(dataset, collate_fn=common.RFDETRCollate(row, False), **kw), None
+    kw.update(collate_fn=TimedCollate(common.RFDETRCollate(row, True)), worker_init_fn=clocks.init)
+    if arm == "pool_nostate":
+        return PoolLoader(dataset, stateful=False, **kw), None
+    if arm == "pool_pin":
+        from cuda_standin import SimCuda
+        sim = SimCuda()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # DataLoader's: no accelerator here
+            loader = PoolLoader(dataset, pin_memory=True, **kw)
+        loader._cuda_runtime = sim
+        return loader, sim
+    return PoolLoader(dataset, **kw), None
+
+
+def timed_pairs(it, cfg, sim, side, staged: bool) -> tuple[list[float], list[list[float]]]:
+    """(next+del µs per pair, the main stages' µs per pair when `staged`)."""
+    out, stages = [], []
+    for _ in range(cfg.samples):
+        if sim is not None:
+            sim.run(side)  # the GPU caught up with the previous step
+        wait_ready(it, cfg.settle_s, cfg.max_settle_s)
+        before = list(MAIN.total)
+        MAIN.on = staged
+        t0 = time.perf_counter_ns()
+        batch = next(it)
+        del batch
+        t1 = time.perf_counter_ns()
+        MAIN.on = False
+        if sim is not None:
+            sim.work(side, "step")  # queued after the batch: its release finds it busy
+        out.append((t1 - t0) / 1e3)
+        stages.append([(a - b) / 1e3 for a, b in zip(MAIN.total, before)])
+    return out, stages
+
+
+def run_cell(arm: str, row: str, workers: int, dataset, cfg) -> dict:
+    in_flight = workers * cfg.prefetch
+    warmup = 2 * (in_flight + 2) + 2
+    total = warmup + 2 * cfg.samples + in_flight + 2
+    clocks = WorkerClocks(workers)
+    loader, sim = make_loader(arm, row, workers, dataset, total, cfg, clocks)
+    it = iter(loader)
+    res: dict = {}
+    try:
+        common.note_workers(it)
+        side = sim.stream(0, "training") if sim is not None else None
+        for _ in range(warmup):
+            batch = next(it)
+            del batch
+        plain, _ = timed_pairs(it, cfg, sim, side, staged=False)
+        res["total_us"] = statistics.median(plain)
+        if arm != "dl":
+            calls0 = len(sim.calls) if sim is not None else 0
+            before = clocks.snapshot()
+            staged, per_stage = timed_pairs(it, cfg, sim, side, staged=True)
+            after = clocks.snapshot()
+            n = len(staged)
+            res["staged_total_us"] = statistics.median(staged)
+            for i, stage in enumerate(MAIN_STAGES):  # medians over the pairs: preemption is rare
+                res[f"{stage}_us"] = statistics.median(p[i] for p in per_stage)
+            res["other_us"] = res["staged_total_us"] - sum(res[f"{s}_us"] for s in MAIN_STAGES)
+            res.update(clocks.per_batch(before, after))
+            if sim is not None:
+                res["cuda_calls"] = (len(sim.calls) - calls0) / n
+        for batch in it:
+            del batch
+    finally:
+        batch = None  # noqa: F841
+        it._shutdown_workers()
+        del it, loader
+        gc.collect()
+        common.wait_no_children()
+    return res
+
+
+# ---------------------------------------------------------------------------
+# report
+
+def table(raw: common.Raw, workers_list, rows) -> str:
+    lines = []
+    for w in workers_list:
+        lines += ["", f"### {w} workers — main thread, µs per batch (median [min–max] over reps)", "",
+                  "| what crosses | loader | next+del | staged total | wait | decode | small copy "
+                  "| refill | resume record | gate | other | CUDA calls/batch |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for row in rows:
+            cell = (w, row)
+            for arm in ARMS:
+                if not raw.ok(cell, arm):
+                    err = "; ".join(sorted(set(raw.errors[cell][arm]))) or "no result"
+                    lines.append(f"| {row} | {ARM_LABEL[arm]} | FAILED: {err} |" + " |" * 9)
+                    continue
+                cols = [common.cell_text(raw, cell, arm, "total_us")]
+                keys = ["staged_total_us"] + [f"{s}_us" for s in MAIN_STAGES] + ["other_us", "cuda_calls"]
+                for key in keys:
+                    cols.append(common.cell_text(raw, cell, arm, key) if raw.series(cell, arm, key) else "—")
+                lines.append(f"| {row} | {ARM_LABEL[arm]} | " + " | ".join(cols) + " |")
+        lines += ["", f"### {w} workers — a worker, µs per batch (median [min–max] over reps)", "",
+                  "| what crosses | loader | read request | fetch | collate | encode | capture |",
+                  "|---|---|---:|---:|---:|---:|---:|"]
+        for row in rows:
+            cell = (w, row)
+            for arm in ARMS[1:]:
+                if not raw.ok(cell, arm):
+                    continue
+                cols = [common.cell_text(raw, cell, arm, f"w_{s}_us")
+                        if raw.series(cell, arm, f"w_{s}_us") else "—" for s in WORKER_STAGES]
+                lines.append(f"| {row} | {ARM_LABEL[arm]} | " + " | ".join(cols) + " |")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    p = common.parser(NAME, __doc__, reps=(3, 2), warmup_reps=(0, 0))
+    p.add_argument("--workers", default=None, help='comma-separated worker counts (default "2,4"; quick "2")')
+    p.add_argument("--rows", default="packed,per_sample", help="rows of bench/handoff.py")
+    p.add_argument("--samples", type=int, default=None, help="timed pairs per phase (30; quick 10)")
+    p.add_argument("--prefetch", type=int, default=2)
+    p.add_argument("--settle-ms", type=float, default=20.0)
+    p.add_argument("--max-settle-ms", type=float, default=5000.0)
+    args = common.parse(p, argv)
+    args.workers_list = [int(x) for x in (args.workers or ("2" if args.quick else "2,4")).split(",")]
+    args.rows_list = [r.strip() for r in args.rows.split(",") if r.strip()]
+    for r in args.rows_list:
+        if r not in common.ROW_LABEL:
+            p.error(f"unknown row {r!r}; choose from {', '.join(common.ROW_LABEL)}")
+    args.samples = args.samples or (10 if args.quick else 30)
+    args.settle_s, args.max_settle_s = args.settle_ms / 1e3, args.max_settle_ms / 1e3
+    return args
+
+
+def main(argv=None) -> int:
+    cfg = parse_args(argv)
+    in_flight = max(cfg.workers_list) * cfg.prefetch
+    per_cell = 2 * (in_flight + 2) + 2 + 2 * cfg.samples + in_flight + 2
+    dataset = common.RFDETRShaped(per_cell * BATCH)
+    install_main_clock()
+    MAIN.on = False
+    cells = [(w, row) for w in cfg.workers_list for row in cfg.rows_list]
+    t0 = time.perf_counter()
+    load = os.getloadavg()[0]
+    raw = common.interleave(cells, ARMS, lambda cell, arm, rep: run_cell(arm, cell[1], cell[0], dataset, cfg),
+                            reps=cfg.reps, warmup_reps=cfg.warmup_reps, label=NAME, stagger=True,
+                            show=lambda m: f"next+del {m['total_us']:.0f} µs")
+    MAIN.unwrap()
+    header = [f"## per-stage cost of a batch (bench/stages.py{' --quick' if cfg.quick else ''})", "",
+              f"batch {BATCH}, {common.RESOLUTION}×{common.RESOLUTION}, RF-DETR shape, cheap "
+              f"dataset; prefetch_factor={cfg.prefetch}; {cfg.reps} reps × {cfg.samples} timed "
+              f"next()+del per phase after a full prefetch queue; {os.cpu_count()} CPUs, torch "
+              f"{torch.__version__}, Python {platform.python_version()}; 1-min load average "
+              f"{load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end; run took "
+              f"{time.perf_counter() - t0:.0f} s.",
+              "", "next+del: plain wall time (compare loaders with it); the stages come from a "
+              "second, instrumented phase (its total is above the plain one by the timers' cost)."]
+    text = "\n".join(header) + "\n" + table(raw, cfg.workers_list, cfg.rows_list)
+    common.write_outputs(cfg, text, {"raw": raw.as_json(), "workers": cfg.workers_list,
+                                     "rows": cfg.rows_list, "samples": cfg.samples})
+    return 0 if not common.wait_no_children() else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
