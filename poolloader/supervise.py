@@ -182,12 +182,18 @@ def describe_exit(code) -> str:
 
 
 def check_alive(processes) -> None:
-    """Raise WorkerDied for the first worker that has exited."""
+    """Raise WorkerDied for the first worker that has exited. Its message starts with
+    DataLoader's own sentence for that death (code that matches it keeps working)."""
     for i, w in enumerate(processes):
         if not w.is_alive():
+            code = w.exitcode
+            if code is not None and code < 0:
+                head = f"DataLoader worker (pid {w.pid}) is killed by signal: {_strsignal(-code)}. "
+            else:
+                head = f"DataLoader worker (pid {w.pid}) exited unexpectedly. "
             raise WorkerDied(
-                f"PoolLoader worker {i} (pid {w.pid}) exited unexpectedly with "
-                f"{describe_exit(w.exitcode)}. If it was killed for memory (signal 9), lower "
+                f"{head}PoolLoader worker {i} (pid {w.pid}) exited unexpectedly with "
+                f"{describe_exit(code)}. If it was killed for memory (signal 9), lower "
                 "num_workers or batch_size; run with num_workers=0 to see the error in "
                 "the main process.")
 
@@ -203,6 +209,13 @@ def _first_outside_loader() -> int:
     while frame is not None and frame.f_code.co_filename.startswith(inside):
         level, frame = level + 1, frame.f_back
     return level
+
+
+def _strsignal(signum: int) -> str:
+    try:
+        return signal.strsignal(signum) or f"signal {signum}"
+    except ValueError:
+        return f"signal {signum}"
 
 
 class Replies:

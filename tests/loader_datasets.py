@@ -112,6 +112,26 @@ class ParentProcessDataset(Dataset):
                 "join_waited": 0.04 <= waited < 5.0}
 
 
+class SegfaultDataset(Dataset):
+    """Every sample crashes its worker with SIGSEGV (a read at address 0)."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        import ctypes
+        return ctypes.string_at(0)
+
+
+def quiet_stderr(worker_id):
+    """worker_init_fn: the worker's stderr goes to /dev/null (torch's SIGSEGV handler
+    writes there with write(2))."""
+    import sys
+    sys.stderr.flush()
+    with open(os.devnull, "w") as devnull:
+        os.dup2(devnull.fileno(), 2)
+
+
 def record_init(worker_id):
     torch.manual_seed(1000 + worker_id)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 import pickle
+import re
 import signal
 import sys
 import warnings
@@ -212,6 +213,19 @@ def test_nested_tensors_take_the_pickled_fallback():
     for a, b in zip(out[DataLoader], out[PoolLoader]):
         assert b.is_nested
         assert [x.tolist() for x in a.unbind()] == [x.tolist() for x in b.unbind()]
+
+
+def test_a_worker_killed_by_a_signal_is_reported_in_dataloaders_words():
+    """Code that recognises a dead worker by DataLoader's message (PyTorch's own
+    test_segfault does) finds it in PoolLoader's too."""
+    for cls in BOTH:
+        loader = cls(ds.SegfaultDataset(), batch_size=2, num_workers=2,
+                     worker_init_fn=ds.quiet_stderr)
+        with pytest.raises(RuntimeError) as died:
+            next(iter(loader))
+        text = f"{died.value} {died.value.__cause__}"
+        assert re.search(r"DataLoader worker \(pid \d+\) is killed by signal: Segmentation fault",
+                         text), (cls.__name__, text)
 
 
 def test_persistent_loader_after_a_worker_died_says_so():
