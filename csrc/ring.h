@@ -46,6 +46,30 @@
 #include <string.h>
 #include <time.h>
 
+/*
+ * The timed wait (pl_sem_wait_for). glibc >= 2.30 has sem_clockwait, which takes a
+ * CLOCK_MONOTONIC deadline. Older C libraries (glibc 2.28 on RHEL/Rocky/Alma 8, the
+ * manylinux_2_17 and manylinux_2_28 build images, musl) have only sem_timedwait, whose
+ * deadline is CLOCK_REALTIME: a wall clock that NTP or an admin may step. There the
+ * wait is cut into slices of at most PL_REALTIME_SLICE_NS, each with a realtime
+ * deadline computed afresh from "now", while the bound itself is kept on
+ * CLOCK_MONOTONIC: a forward step only ends a slice early (the loop waits the rest),
+ * and a backward step of D while a slice sleeps lengthens that one slice by D — it
+ * never turns a bounded wait into an unbounded one. The build picks the path from the
+ * C library's version; defining PL_FORCE_SEM_TIMEDWAIT (setup.py does when
+ * POOLLOADER_FORCE_SEM_TIMEDWAIT=1) picks the fallback anywhere. PL_TIMED_WAIT names
+ * the path compiled (poolloader._ring.TIMED_WAIT).
+ */
+#if !defined(PL_FORCE_SEM_TIMEDWAIT) && defined(__GLIBC__) \
+    && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 30))
+#define PL_USE_SEM_CLOCKWAIT 1
+#define PL_TIMED_WAIT "sem_clockwait"
+#else
+#define PL_USE_SEM_CLOCKWAIT 0
+#define PL_TIMED_WAIT "sem_timedwait"
+#endif
+#pragma message("poolloader ring: timed waits use " PL_TIMED_WAIT)
+
 #define PL_RING_MAGIC 0x676e69724c50ULL /* "PLring" */
 #define PL_LINE 64
 #define PL_RING_HEADER_BYTES (5 * PL_LINE)
@@ -170,6 +194,43 @@ static inline long long pl_now_ns(void) {
     return (long long)t.tv_sec * 1000000000LL + t.tv_nsec;
 }
 
+/* Longest sem_timedwait slice of the fallback path (see the top of this file). */
+#define PL_REALTIME_SLICE_NS 50000000LL
+
+static inline void pl_add_ns(struct timespec *t, long long ns) {
+    t->tv_sec += ns / 1000000000LL;
+    t->tv_nsec += ns % 1000000000LL;
+    if (t->tv_nsec >= 1000000000L) { t->tv_sec += 1; t->tv_nsec -= 1000000000L; }
+}
+
+/* Take one token of `sem`, sleeping at most `seconds` (>= 0) of CLOCK_MONOTONIC time.
+ * 0, or -1 with errno ETIMEDOUT, EINTR or another error of the sem_* call. */
+static inline int pl_sem_wait_for(sem_t *sem, double seconds) {
+    long long ns = (long long)(seconds * 1e9);
+#if PL_USE_SEM_CLOCKWAIT
+    struct timespec deadline;
+    clock_gettime(CLOCK_MONOTONIC, &deadline);
+    pl_add_ns(&deadline, ns);
+    return sem_clockwait(sem, CLOCK_MONOTONIC, &deadline);
+#else
+    long long until = pl_now_ns() + ns;
+    for (;;) {
+        long long left = until - pl_now_ns();
+        if (left <= 0) {
+            /* a wait of 0 still takes a token that is there */
+            if (sem_trywait(sem) == 0) return 0;
+            if (errno == EAGAIN) errno = ETIMEDOUT;
+            return -1;
+        }
+        struct timespec deadline;
+        clock_gettime(CLOCK_REALTIME, &deadline);
+        pl_add_ns(&deadline, left < PL_REALTIME_SLICE_NS ? left : PL_REALTIME_SLICE_NS);
+        if (sem_timedwait(sem, &deadline) == 0) return 0;
+        if (errno != ETIMEDOUT) return -1;
+    }
+#endif
+}
+
 /* 1 when a token of `sem` was taken within PL_SPIN_NS, else 0. */
 static inline int pl_spin(sem_t *sem) {
     long long until = pl_now_ns() + PL_SPIN_NS;
@@ -202,13 +263,7 @@ static inline int pl_sem_take(void *b, sem_t *sem, double seconds) {
         /* Spin briefly before sleeping: waking a sleeping process costs tens of
          * microseconds, while the peer usually answers within a few. */
         if (pl_spin(sem)) goto taken;
-        struct timespec deadline;
-        clock_gettime(CLOCK_MONOTONIC, &deadline);
-        long long ns = (long long)(seconds * 1e9);
-        deadline.tv_sec += ns / 1000000000LL;
-        deadline.tv_nsec += ns % 1000000000LL;
-        if (deadline.tv_nsec >= 1000000000L) { deadline.tv_sec += 1; deadline.tv_nsec -= 1000000000L; }
-        if (sem_clockwait(sem, CLOCK_MONOTONIC, &deadline) != 0) {
+        if (pl_sem_wait_for(sem, seconds) != 0) {
             if (errno == ETIMEDOUT) return pl_ring_closed(b) ? PL_CLOSED : PL_TIMEOUT;
             if (errno == EINTR) return PL_INTR;
             return -errno;
@@ -264,13 +319,7 @@ static inline void pl_doorbell_ring(void *b) { sem_post(pl_bell(b)); }
 
 /* PL_OK when rung, PL_TIMEOUT, PL_INTR; < 0 is -errno. */
 static inline int pl_doorbell_wait(void *b, double seconds) {
-    struct timespec deadline;
-    clock_gettime(CLOCK_MONOTONIC, &deadline);
-    long long ns = (long long)(seconds * 1e9);
-    deadline.tv_sec += ns / 1000000000LL;
-    deadline.tv_nsec += ns % 1000000000LL;
-    if (deadline.tv_nsec >= 1000000000L) { deadline.tv_sec += 1; deadline.tv_nsec -= 1000000000L; }
-    if (sem_clockwait(pl_bell(b), CLOCK_MONOTONIC, &deadline) == 0) return PL_OK;
+    if (pl_sem_wait_for(pl_bell(b), seconds) == 0) return PL_OK;
     if (errno == ETIMEDOUT) return PL_TIMEOUT;
     if (errno == EINTR) return PL_INTR;
     return -errno;

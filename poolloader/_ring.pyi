@@ -5,6 +5,7 @@ from typing_extensions import Self, disjoint_base
 
 RING_HEADER_BYTES: int
 DOORBELL_BYTES: int
+TIMED_WAIT: str
 
 def ring_nbytes(capacity: int) -> int: ...
 

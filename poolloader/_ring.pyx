@@ -25,6 +25,7 @@ cdef extern from "ring.h" nogil:
     int PL_OK, PL_EMPTY, PL_FULL, PL_TIMEOUT, PL_CLOSED, PL_INTR, PL_CORRUPT
     uint64_t PL_RING_HEADER_BYTES_ "PL_RING_HEADER_BYTES"
     uint64_t PL_DOORBELL_BYTES_ "PL_DOORBELL_BYTES"
+    const char *PL_TIMED_WAIT
     uint64_t UINT64_MAX
     uint64_t pl_ring_nbytes(uint64_t capacity)
     uint64_t pl_ring_max_capacity(uint64_t nbytes)
@@ -45,6 +46,10 @@ cdef extern from "ring.h" nogil:
 
 RING_HEADER_BYTES = PL_RING_HEADER_BYTES_
 DOORBELL_BYTES = PL_DOORBELL_BYTES_
+# The C call that timed waits use in this build: "sem_clockwait" (glibc >= 2.30), or
+# "sem_timedwait" in sliced realtime deadlines (older C libraries, or a build with
+# POOLLOADER_FORCE_SEM_TIMEDWAIT=1); see csrc/ring.h.
+TIMED_WAIT = PL_TIMED_WAIT.decode("ascii")
 
 # Longest single sleep inside a blocking call: between slices Python signal
 # handlers run (KeyboardInterrupt reaches a blocked main process promptly).

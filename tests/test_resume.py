@@ -194,7 +194,7 @@ def _check(resumed, name):
 def test_resume_in_new_process_is_bit_identical(resumed, name):
     reference, k, got = _check(resumed, name)
     assert len(reference[:k]) + len(got) == len(reference), (k, len(got), len(reference))
-    for i, (want, have) in enumerate(zip(reference[k:], got, strict=False)):
+    for i, (want, have) in enumerate(zip(reference[k:], got)):
         assert want == have, f"{name}: batch {k + i} differs after resuming at {k}"
 
 
@@ -222,7 +222,7 @@ def test_reference_statefuldataloader_resumes_indices_but_not_worker_rng(resumed
     stateful = results[f"stateful_{name}"]
     assert not isinstance(stateful, str), stateful
     assert indices(stateful) == indices(ref[k:])
-    differ = sum(a != b for a, b in zip(stateful, ref[k:], strict=True))
+    differ = sum(a != b for a, b in zip(stateful, ref[k:]))
     assert differ >= 1, "StatefulDataLoader now restores worker RNG: compare bit for bit instead"
 
 
@@ -419,7 +419,7 @@ def test_lightning_fit_preempted_mid_epoch_resumes_the_remaining_batches(tmp_pat
     if loader == "pool":
         assert rest.seen == full.seen[5:]
     else:  # its workers restart from their seeds: other augmentations
-        assert sum(a != b for a, b in zip(rest.seen, full.seen[5:], strict=True)) >= 1
+        assert sum(a != b for a, b in zip(rest.seen, full.seen[5:])) >= 1
 
 
 def test_dataset_state_dict_error_reaches_the_caller_like_a_fetch_error():

@@ -9,18 +9,23 @@ before, and not much later); speed lives in bench/ring.py.
 import collections
 import multiprocessing
 import os
+import platform
+import re
+import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import _ring_children as children
 import pytest
-from helpers import layout, make_shared, running, unlink_shared
+from helpers import communicate_within, layout, make_shared, running, unlink_shared
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from poolloader._ring import DOORBELL_BYTES, Doorbell, Ring
+from poolloader._ring import DOORBELL_BYTES, TIMED_WAIT, Doorbell, Ring
 from poolloader._shm import Mapping
 from poolloader.errors import RingClosed, RingTimeout
 
@@ -199,6 +204,30 @@ def test_a_wait_gives_up_after_about_its_timeout(call):
         assert "0.2" in str(raised.value)
     elapsed = time.monotonic() - started
     assert 0.19 <= elapsed < 2.0
+
+
+@pytest.mark.parametrize("call", ["pop on empty", "doorbell wait"])
+def test_a_wait_sleeps_instead_of_spinning(call):
+    """A waiter that nobody wakes uses almost no CPU: a deadline on the wrong clock
+    (one already past) would still time out on time, but by spinning."""
+    ring = local_ring(3)
+    bell = Doorbell(local_memory(4096), 0, create=True)
+
+    def wait():
+        cpu = time.thread_time()
+        if call == "doorbell wait":
+            assert bell.wait(1.5) is False
+        else:
+            with pytest.raises(RingTimeout):
+                ring.pop(timeout=1.5)
+        return time.thread_time() - cpu
+
+    thread, outcome = in_thread(wait)
+    thread.join(10.0)
+    assert not thread.is_alive()
+    (cpu_s, waited_s), = outcome
+    assert 1.45 <= waited_s < 5.0
+    assert cpu_s < 0.1, f"the waiter used {cpu_s:.2f} s of CPU in {waited_s:.2f} s: it spun"
 
 
 # ---------------------------------------------------------------- close
@@ -465,3 +494,51 @@ def test_any_sequence_of_operations_behaves_like_a_bounded_deque(
             producer.try_push(0)
         with pytest.raises(RingClosed):
             consumer.try_pop()  # queued values are not delivered after close
+
+
+# ---------------------------------------------------------------- the sem_timedwait fallback
+
+
+def test_the_build_says_which_timed_wait_it_compiled():
+    """glibc >= 2.30 builds on sem_clockwait, anything older on sem_timedwait, unless
+    the fallback run below forced sem_timedwait (and says so in the environment)."""
+    expected = os.environ.get("POOLLOADER_TEST_TIMED_WAIT")
+    if expected is None:
+        libc, version = platform.libc_ver()
+        modern = libc == "glibc" and tuple(map(int, version.split(".")[:2])) >= (2, 30)
+        expected = "sem_clockwait" if modern else "sem_timedwait"
+    assert TIMED_WAIT == expected
+
+
+# What the fallback run covers: timeouts bounded both ways (pop, push, doorbell, a dead
+# peer), wake-ups by push, pop, close, the doorbell and a signal, streams through odd
+# capacities. Fork only: spawn adds process start-up, not another path through the wait.
+FALLBACK_CASES = "not spawn and not million and not fallback"
+
+
+@pytest.mark.timeout(660)
+def test_the_sem_timedwait_fallback_passes_the_ring_tests(tmp_path):
+    """Builds a copy of the tree with POOLLOADER_FORCE_SEM_TIMEDWAIT=1 (the path of
+    glibc < 2.30) and runs this file's FALLBACK_CASES against that build."""
+    root = Path(__file__).resolve().parents[1]
+    tree = tmp_path / "tree"
+    ignore = shutil.ignore_patterns("*.so", "*.c", "__pycache__", ".hypothesis", "build")
+    for part in ("csrc", "poolloader", "tests"):
+        shutil.copytree(root / part, tree / part, ignore=ignore)
+    for part in ("setup.py", "pyproject.toml"):
+        shutil.copy2(root / part, tree / part)
+    env = dict(os.environ, POOLLOADER_FORCE_SEM_TIMEDWAIT="1")
+    build = subprocess.Popen([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=tree, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = communicate_within(build, 300, "the build with POOLLOADER_FORCE_SEM_TIMEDWAIT=1")
+    assert build.returncode == 0, f"the build failed:\n{out[-2000:]}\n{err[-3000:]}"
+    assert "timed waits use sem_timedwait" in out + err, "the compiler did not log the path it built"
+
+    env["POOLLOADER_TEST_TIMED_WAIT"] = "sem_timedwait"  # checked by the test above, in that run
+    run = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                            "tests/test_ring.py", "-k", FALLBACK_CASES], cwd=tree, env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = communicate_within(run, 300, "the ring tests against the sem_timedwait build")
+    summary = out.strip().splitlines()[-1] if out.strip() else ""
+    assert run.returncode == 0, f"{out[-6000:]}\n{err[-2000:]}"
+    assert re.search(r"\d+ passed", summary) and "deselected" in summary, summary
