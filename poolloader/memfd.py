@@ -265,7 +265,10 @@ class MemfdSegments:
         return (self.kind, self.owner_pid) + self._control
 
     def create(self, slot: int, generation: int, nbytes: int, what: str):
-        """(mapping, descriptor, inode, release key) of a new slot segment."""
+        """(mapping, descriptor, inode, release key) of a new slot segment. Checked
+        against the memory available first: under a cgroup limit, reserving pages that
+        are not there may wake the OOM killer instead of failing."""
+        check_space(nbytes, what)
         mapping, fd, inode = create(nbytes, what, f"slot{slot}")
         self._fds.add(fd)
         return mapping, fd, inode, fd
