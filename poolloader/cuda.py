@@ -205,7 +205,7 @@ class SlotGate:
         has its tensors treated as the batch's). Looks once per storage: the batch's
         small tensors share one buffer, allocated page-locked (`small_buffer`)."""
         rt = self._rt
-        seen: dict[int, bool] = {}  # storage address -> page-locked already
+        seen = {}  # storage address -> page-locked already (untyped def: no annotation)
         small_start, small_end = self._small_span
         self._small_span, self._small = (0, 0), None
 
