@@ -12,10 +12,10 @@ print("poolloader: ring timed waits: "
          else "sem_clockwait if the C library is glibc >= 2.30, else sem_timedwait"))
 
 extensions = [
-    Extension("poolloader._ring", ["poolloader/_ring.pyx"], include_dirs=["csrc"], depends=["csrc/ring.h"],
+    Extension("poolloader.shm._ring", ["poolloader/shm/_ring.pyx"], include_dirs=["csrc"], depends=["csrc/ring.h"],
               define_macros=[("PL_FORCE_SEM_TIMEDWAIT", "1")] if force_timedwait else [],
               extra_compile_args=["-std=c11", "-O2"], libraries=["pthread"]),
-    Extension("poolloader._shm", ["poolloader/_shm.pyx"], extra_compile_args=["-O2"]),
+    Extension("poolloader.shm._shm", ["poolloader/shm/_shm.pyx"], extra_compile_args=["-O2"]),
 ]
 
 setup(ext_modules=cythonize(extensions, language_level=3))

@@ -53,10 +53,11 @@ import common  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
-from poolloader import PoolLoader, cuda  # noqa: E402
-from poolloader.pool import SlotPool  # noqa: E402
-from poolloader.segments import shm_free_bytes  # noqa: E402
-from poolloader.slot_format import DATA_OFF  # noqa: E402
+from poolloader import PoolLoader  # noqa: E402
+from poolloader.cuda import gate as cuda
+from poolloader.shm.pool import SlotPool  # noqa: E402
+from poolloader.shm.segments import shm_free_bytes  # noqa: E402
+from poolloader.wire.slot_format import DATA_OFF  # noqa: E402
 
 SLEEP_CYCLES = 50_000_000  # torch.cuda._sleep: ~30 ms on current GPUs
 CHECK_SLOT_BYTES = 10 << 20  # a Full batch is 8 MiB: no growth path in the checks

@@ -51,8 +51,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 import posix_ipc  # noqa: E402
 
-from poolloader._ring import Ring  # noqa: E402
-from poolloader._shm import Mapping  # noqa: E402
+from poolloader.shm._ring import Ring  # noqa: E402
+from poolloader.shm._shm import Mapping  # noqa: E402
 
 NAME = "ring"
 

@@ -69,10 +69,13 @@ from handoff import wait_ready  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 from torch.utils.data._utils import fetch as torch_fetch  # noqa: E402
 
-from poolloader import PoolLoader, codec, cuda, resume  # noqa: E402
-from poolloader import slot_format as fmt  # noqa: E402
-from poolloader.iterator import PoolLoaderIter  # noqa: E402
-from poolloader.resume_state import ResumeTracker  # noqa: E402
+from poolloader import PoolLoader  # noqa: E402
+from poolloader.cuda import gate as cuda
+from poolloader.main.iterator import PoolLoaderIter  # noqa: E402
+from poolloader.resume import keys as resume
+from poolloader.resume.tracker import ResumeTracker  # noqa: E402
+from poolloader.wire import codec
+from poolloader.wire import slot_format as fmt  # noqa: E402
 
 NAME = "stages"
 ARMS = ["dl", "pool", "pool_nostate", "pool_pin"]

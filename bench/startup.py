@@ -8,7 +8,7 @@ in the main process and unpickles them in the worker. DataLoader does it once pe
 worker, every epoch unless persistent_workers=True (pytorch/pytorch #139792, PR
 #87802: a 2 GB dataset with 32 workers took ~30 min to the first batch). PoolLoader
 pickles them once per iterator into shared memory and each worker unpickles its own
-copy from there (poolloader.startup), so main's part does not grow with workers.
+copy from there (poolloader.worker.startup), so main's part does not grow with workers.
 
 Dataset (`Annotated`): a COCO-style index held in Python objects — per image a file
 name and a list of annotation dicts (bbox list, category, area, iscrowd, ids) —

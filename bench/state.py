@@ -177,8 +177,9 @@ def hooks_ab(rounds: int, batches: int, sleep_s: float) -> dict:
     this isolates the main process's side."""
     from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-    from poolloader import PoolLoader, resume_state
-    from poolloader.iterator import PoolLoaderIter
+    from poolloader import PoolLoader
+    from poolloader.main.iterator import PoolLoaderIter
+    from poolloader.resume import tracker as resume_state
 
     class Quiet(resume_state.ResumeTracker):
         def next_index(self, sampler_iter, seq):
@@ -242,7 +243,7 @@ def run_per_batch(tree: str, batches: int, sleep_s: float) -> float:
 def measure_added_ops(repeat: int) -> dict:
     """The calls this change adds to the per-batch path, timed alone on a real slot."""
     from poolloader import PoolLoader
-    from poolloader import slot_format as fmt
+    from poolloader.wire import slot_format as fmt
     loader = PoolLoader(One(1 << 15), batch_size=None, num_workers=2)  # 128 KiB: a view
     it = iter(loader)
     batch = next(it)  # its slot stays LEASED (and its record intact) while we hold it
@@ -284,7 +285,7 @@ def measure_capture(repeat: int) -> dict:
     import torch
     from torch.utils.data.dataloader import _DatasetKind
 
-    from poolloader.resume import WorkerProgress
+    from poolloader.resume.keys import WorkerProgress
     progress = WorkerProgress(None, One(), iterable=False)
     fetcher = progress.first_fetcher(lambda: _DatasetKind.create_fetcher(
         _DatasetKind.Map, One(), False, lambda x: x, False))

@@ -1,7 +1,7 @@
 """poolloader: a drop-in torch DataLoader whose workers write batches into
 preallocated, reused shared-memory slots; only slot indices cross processes."""
 from poolloader.collate import slot_collate, slot_empty
-from poolloader.cuda_runtime import watch_stream
+from poolloader.cuda.runtime import watch_stream
 from poolloader.detection import DetectionCollate, PackedTargets, pack_targets
 from poolloader.errors import (
                                ControlCorrupt,

@@ -1,5 +1,5 @@
-"""`python -m poolloader [options] SCRIPT [ARGS...]`: see poolloader.runner."""
-from poolloader.runner import main
+"""`python -m poolloader [options] SCRIPT [ARGS...]`: see poolloader.adopt.runner."""
+from poolloader.adopt.runner import main
 
 if __name__ == "__main__":
     main()

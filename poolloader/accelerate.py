@@ -22,19 +22,12 @@ accelerate's loader (PoolLoader's own `state_dict()` has StatefulDataLoader's la
 """
 from __future__ import annotations
 
-import os
-import sys
-import threading
-import types
 import warnings
 
 from torch.utils.data import DataLoader
 
-from poolloader import adopt
+from poolloader.adopt import hook, rebuilds
 from poolloader.loader import PoolLoader
-
-_local = threading.local()  # ids of PoolLoaders being prepared by this module
-_warned_plain_prepare = False
 
 
 def prepare(accelerator, *objects, **kwargs):
@@ -53,46 +46,14 @@ def skip_first_batches(accelerator, loader, num_batches: int = 0):
         (loader,), lambda: accelerator.skip_first_batches(loader, num_batches=num_batches))
 
 
-def note_plain_prepare(loader: PoolLoader) -> None:
-    """Called when accelerate is about to rebuild `loader` (see PoolLoader's
-    `_is_accelerate_prepared`): warn once, unless the pool will be kept anyway."""
-    global _warned_plain_prepare
-    if (_warned_plain_prepare or loader.num_workers == 0 or adopt.enabled()
-            or id(loader) in getattr(_local, "preparing", ())):
-        return
-    _warned_plain_prepare = True
-    warnings.warn(
-        "accelerator.prepare() rebuilds this PoolLoader as a plain DataLoader: its batches "
-        "will not go through the slot pool. Keep the pool with "
-        "poolloader.accelerate.prepare(accelerator, ...) in place of accelerator.prepare(...), "
-        "or run the script under `python -m poolloader`.", UserWarning,
-        stacklevel=_caller_outside_libraries())
-
-
-def _caller_outside_libraries() -> int:
-    """warnings.warn stacklevel of the first caller outside poolloader and accelerate."""
-    import accelerate
-    libraries = tuple(os.path.dirname(str(m.__file__)) + os.sep for m in (accelerate, adopt))
-    level = 1
-    frame: types.FrameType | None = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(libraries):
-        level, frame = level + 1, frame.f_back
-    return level
-
-
 def _prepare_keeping_pools(objects, call):
     """Run `call` (an accelerate call that rebuilds loaders), then give each PoolLoader's
     replacement its pool back; the result is shaped as accelerate shaped it."""
     # A loader prepared by us before carries its PoolLoader as base_dataloader.
     originals = [getattr(o, "base_dataloader", o) for o in objects]
     pools = {i: o for i, o in enumerate(originals) if isinstance(o, PoolLoader)}
-    preparing = getattr(_local, "preparing", set())
-    _local.preparing = preparing | {id(o) for o in pools.values()}
-    try:
-        with adopt.recording() as calls:
-            result = call()
-    finally:
-        _local.preparing = preparing
+    with rebuilds.preparing(pools.values()), hook.recording() as calls:
+        result = call()
     if not pools:
         return result
     results = list(result) if len(objects) > 1 else [result]
@@ -104,9 +65,9 @@ def _prepare_keeping_pools(objects, call):
 def _with_pool(prepared, original: PoolLoader, calls: dict):
     """`prepared` whose loader is a PoolLoader built with accelerate's arguments and
     `original`'s pool options."""
-    options = adopt.pool_options_of(original)
+    options = hook.pool_options_of(original)
     base = prepared.__dict__.get("base_dataloader", prepared)
-    if isinstance(base, PoolLoader) and adopt.pool_options_of(base) == options:
+    if isinstance(base, PoolLoader) and hook.pool_options_of(base) == options:
         return prepared  # built as a PoolLoader already (under the runner)
     call = calls.get(id(base))
     if call is None or not isinstance(base, DataLoader):
@@ -118,7 +79,7 @@ def _with_pool(prepared, original: PoolLoader, calls: dict):
         return prepared
     args, kwargs = call
     pooled: PoolLoader = PoolLoader(*args, **{**kwargs, **options})
-    adopt.forget(base)
+    hook.forget(base)
     if base is prepared:
         return pooled
     prepared.base_dataloader = pooled

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate_fn_map
 
-from poolloader.codec import SlotWriter
+from poolloader.wire.codec import SlotWriter
 
 _writer: SlotWriter | None = None  # set by the worker loop around each fetch
 

@@ -40,4 +40,4 @@ class CudaRegistrationError(RuntimeError):
 
 class StallWarning(RuntimeWarning):
     """next() has waited `stall_warning` seconds for a batch (timeout=0 waits on); the
-    message says which worker owes which batch and where it is (poolloader.stall)."""
+    message says which worker owes which batch and where it is (poolloader.worker.stall)."""

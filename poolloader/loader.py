@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import warnings
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 import torch
 from torch.utils.data import DataLoader
 
+from poolloader.adopt.rebuilds import note_plain_prepare
 from poolloader.stats import LoaderStats
 
 T_co = TypeVar("T_co", covariant=True)
@@ -14,10 +15,6 @@ T_co = TypeVar("T_co", covariant=True)
 DEFAULT_SLOT_BYTES = 1 << 20
 # Seconds next() waits for a batch before it warns with a stall report (stall_warning=).
 DEFAULT_STALL_WARNING_S = 300.0
-
-# Called with every PoolLoader once it is initialised. The runner (`python -m poolloader`)
-# adds one to list the loaders in its exit summary; empty otherwise.
-new_loader_observers: list[Callable[[PoolLoader], None]] = []
 
 
 class PoolLoader(DataLoader[T_co]):
@@ -69,7 +66,7 @@ class PoolLoader(DataLoader[T_co]):
     `state_dict()` / `load_state_dict()` resume mid-epoch, bit-identically,
     random augmentation in workers included, with torchdata StatefulDataLoader's
     layout and keys (Lightning saves and restores it by itself): see
-    poolloader.resume.
+    poolloader.resume.keys.
     """
 
     def __init__(self, dataset, batch_size=1, shuffle=None, sampler=None, batch_sampler=None,
@@ -122,17 +119,15 @@ class PoolLoader(DataLoader[T_co]):
         self._resume_plan = None     # a loaded state for the next iterator
         self._resume_tracker = None  # the latest iterator's progress (state_dict())
         self._warned_stateless = False
-        for observe in new_loader_observers:
-            observe(self)
 
     def _get_iterator(self):
         if self.num_workers == 0:
-            from poolloader.resume_single import SingleProcessIter
+            from poolloader.resume.single import SingleProcessIter
             it = SingleProcessIter(self, self._take_resume_plan())
             self._resume_tracker = it
             return it
-        from poolloader.iterator import PoolLoaderIter
-        from poolloader.resume_single import continues_epoch
+        from poolloader.main.iterator import PoolLoaderIter
+        from poolloader.resume.tracker import continues_epoch
         self.check_worker_number_rationality()
         # An iterator draws its base seed from the global RNG; one that continues a
         # saved epoch must not: that draw was made when the epoch began.
@@ -145,7 +140,7 @@ class PoolLoader(DataLoader[T_co]):
         self._resume_tracker = it._resume  # plain data: keeps no worker alive
         return it
 
-    # -- mid-epoch resume (poolloader.resume) -------------------------------------
+    # -- mid-epoch resume (poolloader.resume.keys) -------------------------------------
     def state_dict(self) -> dict:
         """Where this loader stands in its epoch, to continue exactly there later.
 
@@ -178,8 +173,8 @@ class PoolLoader(DataLoader[T_co]):
         (a worker's state belongs to that worker). `{}` does nothing. A running
         persistent iterator is shut down first.
         """
-        from poolloader.resume_single import check_single_process_state
-        from poolloader.resume_state import ResumePlan
+        from poolloader.resume.single import check_single_process_state
+        from poolloader.resume.tracker import ResumePlan
         if not state_dict:
             plan = None
         elif self.num_workers == 0:
@@ -198,10 +193,10 @@ class PoolLoader(DataLoader[T_co]):
 
     # HF Accelerate reads this attribute of every loader given to Accelerator.prepare()
     # and then rebuilds the loader as a plain DataLoader: say (once) that the pool is lost
-    # and how to keep it. poolloader.accelerate.prepare() keeps it and stays quiet.
+    # and how to keep it (poolloader.adopt.rebuilds; poolloader.accelerate.prepare()
+    # keeps it and stays quiet).
     @property
     def _is_accelerate_prepared(self) -> bool:
-        from poolloader.accelerate import note_plain_prepare
         note_plain_prepare(self)
         return self.__dict__.get("_accelerate_prepared", False)
 

@@ -100,13 +100,13 @@ class LoaderStats:
 
     def advice(self) -> str:
         """Which side is the bottleneck and what to change, each statement with the
-        measured shares behind it (poolloader.advice); `diagnose()` is the same as data."""
-        from poolloader.advice import advise
+        measured shares behind it (poolloader.main.advice); `diagnose()` is the same as data."""
+        from poolloader.main.advice import advise
         return advise(self).text
 
     def diagnose(self):
-        """advice() as a poolloader.advice.Advice: verdict, statements and the shares."""
-        from poolloader.advice import advise
+        """advice() as a poolloader.main.advice.Advice: verdict, statements and the shares."""
+        from poolloader.main.advice import advise
         return advise(self)
 
     def _attach(self, pool, ledger=None) -> None:
@@ -115,9 +115,8 @@ class LoaderStats:
 
     def _detach(self, pool) -> None:
         """Called by the iterator before it closes `pool`."""
-        if pool.control is not None:
-            for column in range(3):
-                self._closed_workers[column] += int(pool.control.worker_stats[:, column].sum())
+        for column in range(3):
+            self._closed_workers[column] += pool.worker_counter(column)
         self.learned_slot_bytes = max(self.learned_slot_bytes, pool.target_bytes)
         self._closed_peak = (max(self._closed_peak[0], pool.num_slots),
                              max(self._closed_peak[1], pool.total_bytes))
@@ -127,11 +126,11 @@ class LoaderStats:
 
     def _live_pool(self):
         pool = self._pool
-        return pool if pool is not None and pool.mappings and pool.control is not None else None
+        return pool if pool is not None and pool.is_open else None
 
     def _worker_column(self, column: int) -> int:
         pool = self._live_pool()
-        live = 0 if pool is None else int(pool.control.worker_stats[:, column].sum())
+        live = 0 if pool is None else pool.worker_counter(column)
         return self._closed_workers[column] + live
 
     @property
@@ -154,7 +153,7 @@ class LoaderStats:
     @property
     def slot_bytes(self) -> int:
         pool = self._live_pool()
-        return 0 if pool is None else max(m.size for m in pool.mappings)
+        return 0 if pool is None else pool.largest_slot_bytes
 
     @property
     def pool_bytes(self) -> int:

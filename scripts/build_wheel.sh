@@ -11,7 +11,7 @@
 # 2.17 (POOLLOADER_WHEEL_GLIBC): the extensions then link only symbols that glibc 2.17
 # has, as a build in a manylinux2014 container would, without needing one; and with
 # glibc 2.17's headers the ring compiles its sem_timedwait path (csrc/ring.h), which
-# `poolloader._ring.TIMED_WAIT` reports. The extensions need nothing but libc and
+# `poolloader.shm._ring.TIMED_WAIT` reports. The extensions need nothing but libc and
 # libpthread, so repair grafts no library; the script fails unless the tag is
 # manylinux_2_17 or manylinux_2_28.
 #

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import poolloader
 from poolloader import PoolLoader
-from poolloader._ring import TIMED_WAIT
+from poolloader.shm._ring import TIMED_WAIT
 
 
 class Samples(Dataset):

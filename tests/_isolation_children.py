@@ -150,7 +150,7 @@ def pid_reuse(method, what):
     what="all": main, workers and holder at once, and a new pool's sweep must remove
     them), then hand main's pid to a new process before anything is checked, so a
     check by pid finds that pid alive."""
-    from poolloader.segments import sweep_stale
+    from poolloader.shm.segments import sweep_stale
 
     main = subprocess.Popen([sys.executable, __file__, "main_until_killed", method, "1"],
                             stdout=subprocess.PIPE, text=True)
@@ -230,9 +230,9 @@ def corrupt_ring(mode):
     ControlCorrupt (or refuse to attach), never crash or touch memory past the ring."""
     import numpy as np
 
-    from poolloader._ring import Ring
-    from poolloader._shm import Mapping
     from poolloader.errors import ControlCorrupt
+    from poolloader.shm._ring import Ring
+    from poolloader.shm._shm import Mapping
 
     fd = os.memfd_create("pltest-ring")
     nbytes = Ring.nbytes(5) + 4096  # a page after the ring that must stay untouched
@@ -279,14 +279,14 @@ def _overwrite_control(prefix, mode):
     and overwrites one field of every ring (or pushes a slot index main never sent)."""
     import numpy as np
 
-    from poolloader.control import Control, ControlLayout
-    from poolloader.segments import control_name, open_segment
+    from poolloader.shm.control import Control, ControlLayout
+    from poolloader.shm.segments import control_name, open_segment
 
     mapping = open_segment(control_name(prefix))
     num_workers, max_slots = Control.read_shape(mapping)
     layout = ControlLayout(num_workers, max_slots)
     if mode == "slot_outside_pool":
-        from poolloader._ring import Ring
+        from poolloader.shm._ring import Ring
 
         Ring(mapping, layout.request_ring_offset(0)).push(-5, timeout=1.0)
         return
@@ -336,7 +336,7 @@ def corrupt_live_loader(mode):
     import gc
 
     gc.collect()  # the iterator is shut down; its workers exit
-    for w in workers:  # their sentinel pipes are closed (iterator.py): poll waitpid
+    for w in workers:  # their sentinel pipes are closed (poolloader.worker.popen): poll waitpid
         _wait_until(lambda w=w: not w.is_alive(), 5.0)
         exitcodes[w.pid] = w.exitcode
     _result(mode=mode, error=error, message=message, delivered=delivered, took=took,

@@ -14,8 +14,8 @@ import time
 
 from helpers import attach_shared
 
-from poolloader._ring import Doorbell, Ring
 from poolloader.errors import RingClosed, RingTimeout
+from poolloader.shm._ring import Doorbell, Ring
 
 READY = -1  # pushed on the control ring once the child is attached
 

@@ -174,11 +174,11 @@ def fuzz(examples: str = "400") -> None:
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    from poolloader import codec
     from poolloader import collate as slot_collate_mod
-    from poolloader import slot_format as fmt
-    from poolloader._shm import Mapping
     from poolloader.errors import SlotCorrupt
+    from poolloader.shm._shm import Mapping
+    from poolloader.wire import codec
+    from poolloader.wire import slot_format as fmt
 
     # A corrupt length must fail fast (MemoryError -> SlotCorrupt), not push the
     # machine into swap: cap the address space at what we use now plus 4 GiB.
@@ -575,8 +575,8 @@ def fork_hook_threads(forks: str = "200") -> None:
     also checks stderr for what the hook may have printed."""
     import threading
 
-    from poolloader import ledger  # noqa: F401 - registers the at-fork hook
-    from poolloader._shm import Lease, Mapping
+    from poolloader.shm import fork  # noqa: F401 - registers the at-fork hooks
+    from poolloader.shm._shm import Lease, Mapping
 
     faulthandler.enable()
     forks = int(forks)

@@ -17,7 +17,7 @@ import posix_ipc
 import proc
 from proc import pid_running  # noqa: F401 - the tests import it from here
 
-from poolloader._shm import Mapping
+from poolloader.shm._shm import Mapping
 
 LINE = 64  # every shared object must start on a 64-byte boundary
 

@@ -9,7 +9,7 @@ import diagnose_datasets as dd
 import pytest
 
 from poolloader import LoaderStats, PoolLoader
-from poolloader.advice import BUSY_BOUND, IDLE_BELOW, MIN_BATCHES, WAIT_BOUND, advise
+from poolloader.main.advice import BUSY_BOUND, IDLE_BELOW, MIN_BATCHES, WAIT_BOUND, advise
 
 
 def run(delay, consumer_delay, n=40, num_workers=2):

@@ -10,10 +10,11 @@ import torch
 from compare import assert_same
 from torch.utils.data import default_collate
 
-from poolloader import codec, slot_collate, slot_empty
 from poolloader import collate as slot_collate_mod
-from poolloader import slot_format as fmt
-from poolloader.pool import SlotPool
+from poolloader import slot_collate, slot_empty
+from poolloader.shm.pool import SlotPool
+from poolloader.wire import codec
+from poolloader.wire import slot_format as fmt
 
 
 def inside(t: torch.Tensor, mapping) -> bool:

@@ -77,7 +77,7 @@ def test_side_stream_copy_with_next_outside_it():
 def test_marker_lists_only_the_pool_streams_handed_out():
     # torch's pool has 32 streams per priority level; the gate queries only the ones
     # some code took (before or after the loader started), the default and the current
-    from poolloader.cuda_runtime import torch_runtime
+    from poolloader.cuda.runtime import torch_runtime
     before = torch.cuda.Stream()  # a prefetcher's stream (taken before the first look if run alone)
     rt = torch_runtime()
     device = torch.cuda.current_device()

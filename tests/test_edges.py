@@ -312,7 +312,7 @@ class _Interrupt:
 def test_keyboard_interrupt_after_decode_loses_no_slot():
     """KeyboardInterrupt right after a batch was decoded, before next() returns it: the
     batch is gone (as with DataLoader) but its slot comes back, epoch after epoch."""
-    from poolloader.iterator import PoolLoaderIter
+    from poolloader.main.iterator import PoolLoaderIter
     code = PoolLoaderIter._process_data.__code__
     source, first = __import__("inspect").getsourcelines(PoolLoaderIter._process_data)
     line = first + next(i for i, text in enumerate(source) if "del _lease" in text)

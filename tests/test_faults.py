@@ -87,8 +87,8 @@ def test_segments_are_private_and_exclusive():
     """A pool whose worker never maps its segments keeps every name: each is checked."""
     import posix_ipc
 
-    from poolloader.pool import SlotPool
-    from poolloader.segments import create_segment
+    from poolloader.shm.pool import SlotPool
+    from poolloader.shm.segments import create_segment
     pool = SlotPool(num_workers=1, slots=2, max_slots=2, slot_bytes=1 << 16, backend="posix")
     try:
         names = sorted(pool.live_names)

@@ -20,12 +20,14 @@ from cuda_standin import SimCuda
 from helpers import running
 from torch.utils.data import Dataset
 
-from poolloader import PoolLoader, cuda, staging
+from poolloader import PoolLoader
+from poolloader.cuda import gate as cuda
+from poolloader.cuda import staging
 from poolloader.errors import CudaRegistrationError
-from poolloader.pool import SlotPool
-from poolloader.segments import NAME_TAG
-from poolloader.slot_format import DATA_OFF
+from poolloader.shm.pool import SlotPool
+from poolloader.shm.segments import NAME_TAG
 from poolloader.stats import LoaderStats
+from poolloader.wire.slot_format import DATA_OFF
 
 # DataLoader's warning: these machines have no accelerator (the stand-in plays CUDA)
 pytestmark = pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true")

@@ -30,9 +30,9 @@ from helpers import pid_running as running
 from helpers import wait_until
 
 from poolloader import ControlCorrupt, PoolLoader, SlotCorrupt
-from poolloader.control import Control
-from poolloader.pool import SlotPool
-from poolloader.segments import slot_name, sweep_stale
+from poolloader.shm.control import Control
+from poolloader.shm.pool import SlotPool
+from poolloader.shm.segments import slot_name, sweep_stale
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHILDREN = os.path.join(HERE, "_isolation_children.py")
@@ -360,7 +360,7 @@ def test_acks_of_a_generation_main_never_made_are_refused():
 def test_a_worker_refuses_a_control_header_that_does_not_fit(field, value, match):
     """What a worker reads once when it attaches (worker count, max_slots) must fit the
     segment, or every later index would be unchecked."""
-    from poolloader.control import H_MAGIC, H_MAX_SLOTS, H_WORKERS
+    from poolloader.shm.control import H_MAGIC, H_MAX_SLOTS, H_WORKERS
 
     pool = SlotPool(num_workers=2, slots=1, max_slots=3, slot_bytes=1 << 16)
     try:
@@ -379,7 +379,7 @@ def test_a_worker_refuses_a_control_header_that_does_not_fit(field, value, match
 def test_the_growth_counter_main_publishes_is_its_own():
     """Main bumps the growth counter workers watch from its own copy, not from the
     shared field a worker could have overwritten."""
-    from poolloader.control import H_GROWTH
+    from poolloader.shm.control import H_GROWTH
 
     pool = SlotPool(num_workers=1, slots=1, max_slots=3, slot_bytes=1 << 16)
     try:

@@ -23,8 +23,8 @@ from compare import assert_same
 from torch.utils.data import DataLoader, TensorDataset
 
 from poolloader import PoolLoader
-from poolloader import slot_format as fmt
-from poolloader.segments import NAME_TAG
+from poolloader.shm.segments import NAME_TAG
+from poolloader.wire import slot_format as fmt
 
 BOTH = (DataLoader, PoolLoader)
 

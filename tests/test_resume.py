@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from poolloader import PoolLoader
-from poolloader import resume as resume_mod
+from poolloader.resume import keys as resume_mod
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _resume_cases import canon, indices, make_loader  # noqa: E402

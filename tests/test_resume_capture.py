@@ -10,7 +10,8 @@ import pytest
 import torch
 from _resume_cases import StateFailsDataset
 
-from poolloader import PoolLoader, resume
+from poolloader import PoolLoader
+from poolloader.resume import keys as resume
 
 
 def _capture_fails(*_args, **_kwargs):

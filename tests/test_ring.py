@@ -1,4 +1,4 @@
-"""The shared-memory SPSC ring and doorbell (poolloader._ring), across real processes.
+"""The shared-memory SPSC ring and doorbell (poolloader.shm._ring), across real processes.
 
 Cross-process tests run under fork and spawn, with the ring in a POSIX segment
 (a forked child inherits the mapping, a spawned child maps it by name). Every
@@ -25,9 +25,9 @@ from helpers import communicate_within, layout, make_shared, running, unlink_sha
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from poolloader._ring import DOORBELL_BYTES, TIMED_WAIT, Doorbell, Ring
-from poolloader._shm import Mapping
 from poolloader.errors import RingClosed, RingTimeout
+from poolloader.shm._ring import DOORBELL_BYTES, TIMED_WAIT, Doorbell, Ring
+from poolloader.shm._shm import Mapping
 
 INT64 = st.integers(-(2**63), 2**63 - 1)
 

@@ -27,9 +27,10 @@ from compare import both_loaders
 from helpers import pid_running as running
 from helpers import wait_until
 
-from poolloader import PoolLoader, SlotCorrupt, WorkerDied, codec
-from poolloader import slot_format as fmt
-from poolloader.segments import NAME_TAG, create_segment, unlink_quietly
+from poolloader import PoolLoader, SlotCorrupt, WorkerDied
+from poolloader.shm.segments import NAME_TAG, create_segment, unlink_quietly
+from poolloader.wire import codec
+from poolloader.wire import slot_format as fmt
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHILDREN = os.path.join(HERE, "_robustness_children.py")

@@ -1,4 +1,4 @@
-"""`python -m poolloader SCRIPT` (poolloader.runner, poolloader.adopt) and poolloader.accelerate.
+"""`python -m poolloader SCRIPT` (poolloader.adopt.runner, poolloader.adopt.hook) and poolloader.accelerate.
 
 Everything runs in real processes: the runner as a subprocess, with a stand-in library
 written into tmp_path that binds `DataLoader` at import the way RF-DETR's
@@ -283,7 +283,7 @@ def test_dash_m_module_runs_as_python_dash_m(standin):
 
 
 def test_pool_options_from_flags_and_environment(capsys):
-    from poolloader import runner
+    from poolloader.adopt import runner
 
     parse = runner._parser().parse_args
     assert runner.pool_options(parse(["--slots", "5", "--device", "none"]),
@@ -308,7 +308,7 @@ def test_pool_options_from_flags_and_environment(capsys):
 
 
 def test_split_argv_leaves_the_script_its_arguments():
-    from poolloader.runner import split_argv
+    from poolloader.adopt.runner import split_argv
 
     assert split_argv(["--slots", "4", "train.py", "--slots", "2", "-m", "x"]) == (
         ["--slots", "4"], "train.py", None, ["--slots", "2", "-m", "x"])
@@ -335,9 +335,9 @@ def accelerate_state():
     from accelerate.state import AcceleratorState, GradientState
 
     import poolloader.accelerate
-    warned = poolloader.accelerate._warned_plain_prepare
+    warned = poolloader.adopt.rebuilds.warned
     yield
-    poolloader.accelerate._warned_plain_prepare = warned
+    poolloader.adopt.rebuilds.warned = warned
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
 
@@ -406,7 +406,7 @@ def test_plain_accelerate_prepare_warns_once_that_the_pool_is_dropped(accelerate
     import poolloader.accelerate
     from poolloader import PoolLoader
 
-    poolloader.accelerate._warned_plain_prepare = False
+    poolloader.adopt.rebuilds.warned = False
     with pytest.warns(UserWarning, match=r"poolloader\.accelerate\.prepare\(accelerator") as caught:
         losses, _, prepared = _train(PoolLoader, lambda acc, *o: acc.prepare(*o), epochs=1)
     assert [w.filename for w in caught if "slot pool" in str(w.message)] == [__file__]

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from poolloader import codec
-from poolloader import slot_format as fmt
 from poolloader.errors import SlotCorrupt
-from poolloader.pool import SlotPool
+from poolloader.shm.pool import SlotPool
+from poolloader.wire import codec
+from poolloader.wire import slot_format as fmt
 
 Pair = collections.namedtuple("Pair", "a b")
 
@@ -234,7 +234,7 @@ def test_a_zero_count_with_a_nonempty_shape_is_refused(slot):
     changed = []
 
     def zero_count(pid):
-        if pid[0] != fmt._T:
+        if pid[0] != codec.PID_TENSOR:
             return pid  # the empty tensor: a small-block id
         kind, code, off, shape, stride, count = pid
         changed.append(pid)

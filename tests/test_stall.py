@@ -12,7 +12,7 @@ import diagnose_datasets as dd
 import pytest
 
 from poolloader import PoolLoader, StallWarning
-from poolloader.stall import busy_stamp, format_dump, read_stamp
+from poolloader.worker.stall import busy_stamp, format_dump, read_stamp
 
 
 def line_of(marker):
@@ -170,7 +170,7 @@ def test_format_dump_cuts_at_the_worker_loop_and_keeps_innermost_frames():
     frames = [f'  File "/d/m.py", line {i} in f{i}' for i in range(20)]
     dump = "\n".join(
         ["Current thread 0x1 (most recent call first):", *frames[:3],
-         '  File "/x/poolloader/worker.py", line 160 in worker_loop',
+         '  File "/x/poolloader/worker/loop.py", line 160 in worker_loop',
          '  File "/usr/lib/multiprocessing/process.py", line 108 in run', "",
          "Thread 0x2 (most recent call first):", *frames])
     text = format_dump(dump)

@@ -1,4 +1,4 @@
-"""Worker start-up under spawn and forkserver (poolloader.startup): the dataset,
+"""Worker start-up under spawn and forkserver (poolloader.worker.startup): the dataset,
 worker_init_fn and collate_fn are pickled once per iterator, not once per worker, and
 main's shared copy is released once every worker has loaded it."""
 from __future__ import annotations

@@ -1,17 +1,13 @@
 """Worker processes: start, watch, wait for, stop — the teardown ladder in one place.
 
-Main keeps no pipe per worker (invariant 2): multiprocessing keeps two pipe ends
-in the parent for each fork or spawn child, serving only `Process.join(timeout)`
-and the child's `parent_process()`; 32 workers would need 64 descriptors. They are
-closed right after start, and the process object's wait is replaced by waitpid
-polling, so `join(timeout)`, `is_alive()` and `exitcode` still work for any code
-that calls them. Forkserver children keep theirs: their exit code arrives through it.
+Main keeps no pipe per worker (invariant 2): a worker is started by
+poolloader.worker.popen, the one adapter over CPython's multiprocessing internals,
+which closes the parent's pipe ends and keeps `join(timeout)`, `is_alive()` and
+`exitcode` working.
 """
 from __future__ import annotations
 
 import atexit
-import contextlib
-import multiprocessing.process
 import os
 import signal
 import sys
@@ -20,7 +16,6 @@ import time
 import types
 import warnings
 import weakref
-from pickle import PicklingError
 
 from poolloader.errors import StallWarning, WorkerDied
 
@@ -28,9 +23,6 @@ from poolloader.errors import StallWarning, WorkerDied
 JOIN_TIMEOUT = 1.0
 # How long main sleeps between liveness checks while waiting for a reply (seconds).
 MAIN_TICK = 0.1
-
-# Start methods whose Popen.poll() uses waitpid, not the sentinel pipe.
-_WAITPID_POPENS = ("multiprocessing.popen_fork", "multiprocessing.popen_spawn_posix")
 
 _live: weakref.WeakSet = weakref.WeakSet()
 _live_lock = threading.Lock()
@@ -55,95 +47,6 @@ def track(owner) -> None:
 def untrack(owner) -> None:
     with _live_lock:
         _live.discard(owner)
-
-
-def _poll_wait(popen, timeout=None):
-    """Popen.wait without the sentinel pipe: waitpid polling, bounded by `timeout`."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    pause = 0.001
-    while True:
-        code = popen.poll()
-        if code is not None:
-            return code
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            pause = min(pause, left)
-        time.sleep(pause)
-        pause = min(pause * 2, 0.02)
-
-
-@contextlib.contextmanager
-def pickling_workers():
-    """Around pickling a worker's arguments (spawn/forkserver): a pickling error gets the
-    warning DataLoader gives, word for word, before it is re-raised."""
-    try:
-        yield
-    except (TypeError, AttributeError, PicklingError):
-        warnings.warn(
-            "Got pickle error when attempting to start a worker Process. "
-            "This might be because the worker Process arguments are not picklable. "
-            "Python 3.14+ changed the multiprocessing start method in non-Mac POSIX platforms "
-            "to 'forkserver', which requires the worker Process arguments to be picklable. "
-            "You can also try multiprocessing.set_start_method('fork').",
-            stacklevel=5)
-        raise
-
-
-def start_worker(ctx, target, args):
-    """Start one daemon worker process and drop its parent-side pipe ends."""
-    process = ctx.Process(target=target, args=args, daemon=True)
-    with pickling_workers():
-        process.start()
-    popen = process._popen
-    if type(popen).__module__ in _WAITPID_POPENS and getattr(popen, "finalizer", None):
-        popen.finalizer()
-        popen.sentinel = None
-        process._sentinel = None
-        popen.wait = lambda timeout=None: _poll_wait(popen, timeout)
-    return process
-
-
-# -- CPython adapter: multiprocessing.parent_process() in a worker -----------------------
-# multiprocessing's _ParentProcess answers is_alive()/join() from a pipe whose other end
-# main holds; start_worker closes those ends (no pipe per worker in main), so a worker
-# would read its parent as dead while main lives. This block is the only code that
-# touches multiprocessing's private parent object.
-
-class _ParentThroughOwner(multiprocessing.process._ParentProcess):  # type: ignore[name-defined]
-    """A worker's parent_process(): same name, pid and sentinel as multiprocessing's;
-    is_alive() and join() ask `owner` whether main lives (its `sentinel` still reads
-    as closed: nothing holds the other end)."""
-
-    def __init__(self, name, pid, sentinel, owner) -> None:
-        super().__init__(name, pid, sentinel)
-        self._owner = owner
-
-    def is_alive(self) -> bool:
-        return self._owner.is_alive()
-
-    def join(self, timeout=None) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self._owner.is_alive():
-            pause = 0.01
-            if deadline is not None:
-                pause = min(pause, deadline - time.monotonic())
-                if pause <= 0:
-                    return
-            time.sleep(pause)
-
-
-def parent_process_through(owner) -> None:
-    """In a worker: `multiprocessing.parent_process()` answers `is_alive()` and `join()`
-    through `owner` (whose `is_alive()` says whether main lives: the pool's owner
-    probe), as it answers under DataLoader. Under forkserver too (main keeps those
-    pipes there, and the probe gives the same answer)."""
-    parent = multiprocessing.process._parent_process  # type: ignore[attr-defined]
-    if parent is None or isinstance(parent, _ParentThroughOwner):
-        return
-    multiprocessing.process._parent_process = _ParentThroughOwner(  # type: ignore[attr-defined]
-        parent.name, parent.pid, parent._sentinel, owner)
 
 
 def join_all(processes, timeout: float) -> None:
@@ -203,7 +106,7 @@ def _first_outside_loader() -> int:
     and torch.utils.data: the user's `for batch in loader` line."""
     import torch.utils.data
     inside = tuple(os.path.dirname(str(m.__file__)) + os.sep
-                   for m in (torch.utils.data, sys.modules[__package__]))
+                   for m in (torch.utils.data, sys.modules["poolloader"]))
     level = 2
     frame: types.FrameType | None = sys._getframe(2)
     while frame is not None and frame.f_code.co_filename.startswith(inside):
@@ -228,7 +131,7 @@ class Replies:
     waiting is added to `stats.main_wait_s`.
 
     A stall is shown, not only timed out: the timeout's RuntimeError carries
-    `stall_report()` (poolloader.stall: which worker owes which batch, since when, its
+    `stall_report()` (poolloader.worker.stall: which worker owes which batch, since when, its
     stack) after DataLoader's first line; a wait that lasts `stall_warning` seconds
     (None: never) warns once with the same report and goes on waiting."""
 

@@ -23,11 +23,14 @@ from torch.utils.data._utils.collate import default_collate
 from torch.utils.data._utils.worker import WorkerInfo, _generate_state
 from torch.utils.data.graph_settings import apply_random_seed
 
-from poolloader import codec, resume, stall, startup, supervise
 from poolloader import collate as slot_collate_mod
-from poolloader import slot_format as fmt
 from poolloader.errors import RingClosed, RingTimeout
-from poolloader.pool import WorkerSlots
+from poolloader.resume.keys import WorkerProgress
+from poolloader.shm.pool import WorkerSlots
+from poolloader.wire import codec
+from poolloader.wire import slot_format as fmt
+from poolloader.worker import stall, startup
+from poolloader.worker.popen import parent_process_through
 
 # How often an idle worker checks that its parent is alive (seconds).
 WORKER_TICK = 0.25
@@ -45,7 +48,7 @@ class WorkerConfig:
     worker_id: int
     num_workers: int
     pool: tuple  # SlotPool.locator: how to attach; its control segment tells whether main lives
-    resume: dict | None = None  # resume.ResumePlan.worker(): where to continue from
+    resume: dict | None = None  # poolloader.resume.tracker.ResumePlan.worker(): where to continue from
     # startup.SharedStart.ticket: dataset, init_fn and collate_fn are loaded from there
     # (spawn / forkserver; None: they came with this config)
     shared: tuple | None = None
@@ -55,7 +58,7 @@ class WorkerConfig:
 
 def _parent_alive(slots: WorkerSlots) -> bool:
     """Whether main (the pool's owner) still lives: its owner lock on the control
-    segment is still held (poolloader.segments). Neither the worker's parent (under
+    segment is still held (poolloader.shm.segments). Neither the worker's parent (under
     forkserver, the forkserver) nor main's pid (reusable, namespace-relative) is
     consulted, so this is exact under fork, spawn and forkserver; one fcntl."""
     return slots.owner_alive()
@@ -101,7 +104,7 @@ def worker_loop(cfg: WorkerConfig) -> None:
             id=cfg.worker_id, num_workers=cfg.num_workers, seed=seed, dataset=dataset)
 
         slots = WorkerSlots(cfg.pool, cfg.worker_id)
-        supervise.parent_process_through(slots)  # parent_process().is_alive(), as DataLoader's
+        parent_process_through(slots)  # parent_process().is_alive(), as DataLoader's
         control = slots.control
         request_ring = control.request_rings[cfg.worker_id]
         done_ring = control.done_rings[cfg.worker_id]
@@ -118,7 +121,7 @@ def worker_loop(cfg: WorkerConfig) -> None:
 
         init_exception = None
         fetcher = None
-        progress = resume.WorkerProgress(cfg.resume, dataset,
+        progress = WorkerProgress(cfg.resume, dataset,
                                          cfg.dataset_kind == _DatasetKind.Iterable)
         try:
             if cfg.init_fn is not None:

@@ -18,7 +18,7 @@ and streams given to `poolloader.watch_stream`). Every copy of the batch was que
 before the batch died, so before the marker on its stream, or it has already run: the
 key is ready when all the marker's events have completed. A pool stream nobody took
 has nothing queued, so the marker costs O(streams the program took), not O(torch's
-pool) (cuda_runtime._PoolWatch says how they are found, and when it must assume all).
+pool) (runtime._PoolWatch says how they are found, and when it must assume all).
 With `device=` the only reader is the stager's copy stream, so the marker is the
 stager's own copy event. Streams torch did not hand out (`torch.cuda.ExternalStream`,
 another library's) cannot be seen unless current at the release: register one that
@@ -83,9 +83,9 @@ from typing import Any
 import torch
 from torch.utils.data._utils.pin_memory import pin_memory as _torch_pin_memory
 
-from poolloader.cuda_runtime import CudaRuntime, torch_runtime
+from poolloader.cuda.runtime import CudaRuntime, torch_runtime
+from poolloader.cuda.staging import DESCEND, DeviceStager, HostStager, map_batch
 from poolloader.errors import CudaRegistrationError
-from poolloader.staging import _DESCEND, DeviceStager, HostStager, map_batch
 
 # How long the iterator waits for a cooling slot when the pool may not grow (seconds).
 COOL_TIMEOUT_S = 300.0
@@ -232,7 +232,7 @@ class SlotGate:
                 return x.map_tensors(pin_tensor)
             if hasattr(x, "pin_memory"):
                 return x.pin_memory()
-            return _DESCEND
+            return DESCEND
 
         return map_batch(batch, leaf)
 

@@ -1,7 +1,8 @@
-"""The byte layout of one slot, and how a batch is encoded into it and decoded out.
+"""The byte layout of one slot, and what its header says.
 
-This module is the only reader and writer of a slot's header: the worker and the
-iterator call the functions below and never index the header themselves.
+This module is the only reader and writer of a slot's header: the worker, the codec
+and the iterator call the functions below and never index the header themselves.
+How a batch fills the data region is poolloader.wire.codec's.
 
 A slot is one page-aligned shared segment:
 
@@ -81,9 +82,6 @@ SMALL_TENSOR_BYTES = 64 << 10
 SMALL_BATCH_BYTES = 1 << 20
 SMALL_ALIGN = 16  # the largest itemsize (complex128)
 
-# persistent id kinds: tensor/array in the data region, in the small block; pickled whole
-_T, _A, _TS, _AS, _P = 1, 2, 3, 4, 5
-
 # Dense dtypes a slot carries as views; the code is the index here.
 DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
@@ -95,14 +93,14 @@ for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnu
         DTYPES.append(getattr(torch, _name))
 DTYPE_CODE = {dt: i for i, dt in enumerate(DTYPES)}
 ITEMSIZE = [dt.itemsize for dt in DTYPES]
-_NUM_DTYPES = len(DTYPES)
+NUM_DTYPES = len(DTYPES)
 
 
 def align64(n: int) -> int:
     return (n + 63) & ~63
 
 
-def _align_small(n: int) -> int:
+def align_small(n: int) -> int:
     return (n + SMALL_ALIGN - 1) & ~(SMALL_ALIGN - 1)
 
 
@@ -246,7 +244,7 @@ def reply_is_error(header: np.ndarray) -> bool:
     return int(header[F_STATUS]) == ST_ERROR
 
 
-# -- resume state (poolloader.resume): a few KB of worker RNG and dataset position
+# -- resume state (poolloader.resume.keys): a few KB of worker RNG and dataset position
 # that rides with every reply. The worker has read the request by then, so the
 # request area is free; main copies the bytes out when it takes the reply and
 # never unpickles them on the per-batch path.
@@ -287,3 +285,42 @@ def reply_state(mapping, header: np.ndarray) -> bytes:
 def reply_seq(header: np.ndarray) -> int:
     """Main: the batch number a reply answers (checked by reply_status)."""
     return int(header[F_SEQ])
+
+
+# -- a reply's layout: written by the codec's encode, checked by its decode ----------
+
+def publish_reply(header: np.ndarray, data_end: int, small_len: int, skeleton_off: int,
+                  skeleton_len: int, skeleton_crc: int, status: int) -> None:
+    """Fill the header of an encoded reply; the small block starts at `data_end` and
+    the status goes last (main reads nothing before the ring says the slot is done)."""
+    header[F_SKELETON_CRC] = skeleton_crc
+    header[F_DATA_LEN] = data_end - DATA_OFF
+    header[F_SMALL_OFF] = data_end
+    header[F_SMALL_LEN] = small_len
+    header[F_SKELETON_OFF] = skeleton_off
+    header[F_SKELETON_LEN] = skeleton_len
+    header[F_MAGIC] = SLOT_MAGIC
+    header[F_STATUS] = status
+
+
+def claimed_data_len(header: np.ndarray, slot_size: int) -> int:
+    """The data region's length as the header claims it, clamped to the slot (what a
+    lease may cover before `check_reply` has validated the rest)."""
+    return min(int(header[F_DATA_LEN]), slot_size - DATA_OFF)
+
+
+def check_reply(header: np.ndarray, slot_size: int) -> tuple[int, int, int, int, int, int]:
+    """Validate a published reply's header against the slot size; returns
+    (data_len, small_off, small_len, skeleton_off, skeleton_len, skeleton_crc)."""
+    if int(header[F_MAGIC]) != SLOT_MAGIC:
+        raise SlotCorrupt(f"bad slot magic {int(header[F_MAGIC]):#x}")
+    data_len = int(header[F_DATA_LEN])
+    small_off, small_len = int(header[F_SMALL_OFF]), int(header[F_SMALL_LEN])
+    skel_off, skel_len = int(header[F_SKELETON_OFF]), int(header[F_SKELETON_LEN])
+    if (data_len % 64 or small_len % 64 or DATA_OFF + data_len > slot_size
+            or small_off < DATA_OFF + data_len or small_len > SMALL_BATCH_BYTES + 64
+            or skel_off < small_off + small_len or skel_off + skel_len > slot_size):
+        raise SlotCorrupt(
+            f"slot header out of bounds: data {data_len} bytes, small block {small_len} bytes "
+            f"at {small_off}, skeleton {skel_len} bytes at {skel_off}, slot {slot_size} bytes")
+    return data_len, small_off, small_len, skel_off, skel_len, int(header[F_SKELETON_CRC])

@@ -9,30 +9,36 @@ from __future__ import annotations
 
 import collections
 import copy
-from typing import TYPE_CHECKING
+from typing import Callable, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from poolloader.cuda import SlotGate
-    from poolloader.cuda_runtime import CudaRuntime
+from poolloader.cuda.runtime import CudaRuntime
+
+
+class CopyGate(Protocol):
+    """What a DeviceStager tells the reuse gate (poolloader.cuda.gate.SlotGate)."""
+
+    def use_copy_events(self, latest: Callable[[], object]) -> None: ...
+    def note_host_views(self) -> None: ...
+    def keep(self, events: list) -> None: ...
 
 # ---------------------------------------------------------------------------
 # walking a batch: torch's pin_memory container rules
 
-_DESCEND = object()
+DESCEND = object()
 
 
 def map_batch(data, leaf, other=None):
     """Rebuild `data` as torch's DataLoader pin_memory does
     (torch/utils/data/_utils/pin_memory.py), with `leaf(obj)` deciding first.
 
-    `leaf` returns the replacement of `obj`, or _DESCEND to let containers be rebuilt
+    `leaf` returns the replacement of `obj`, or DESCEND to let containers be rebuilt
     (mutable mappings and sequences are shallow-copied and updated, so a defaultdict
     keeps its default_factory); anything else is returned as is, after `other(obj)`.
     """
     got = leaf(data)
-    if got is not _DESCEND:
+    if got is not DESCEND:
         return got
     if isinstance(data, (str, bytes)):
         return data
@@ -85,7 +91,7 @@ def to_device(obj, device, non_blocking: bool = True, copy_to=None):
             return copy_to(x, device)
         if _movable(x):
             return x.to(device, non_blocking=non_blocking)
-        return _DESCEND
+        return DESCEND
 
     return map_batch(obj, leaf)
 
@@ -144,7 +150,7 @@ class DeviceStager:
     Without CUDA (e.g. device="cpu") the copies are synchronous and nothing is gated.
     """
 
-    def __init__(self, runtime: CudaRuntime | None, device, gate: SlotGate | None) -> None:
+    def __init__(self, runtime: CudaRuntime | None, device, gate: CopyGate | None) -> None:
         self.device = torch.device(device)
         self._rt = runtime if self.device.type == "cuda" else None
         self._gate = gate
@@ -191,7 +197,7 @@ class DeviceStager:
                 return rt.copy_to(x, self.device)
             if _movable(x):
                 return x.to(self.device, non_blocking=True)
-            return _DESCEND
+            return DESCEND
 
         with rt.stream_context(self.stream):
             try:

@@ -12,7 +12,7 @@ segment that is no longer the slot's, so every process maps only live segments.
 Where segments live is the backend's (`backend=`): "memfd" (memfd.py, the default:
 anonymous, outside /dev/shm, nothing named) or "posix" (segments.py: named segments
 in /dev/shm through posix-ipc, with an owner lock and a sweep of dead owners' names).
-Both hand out the same poolloader._shm.Mapping, so nothing above this module (the
+Both hand out the same poolloader.shm._shm.Mapping, so nothing above this module (the
 codec, the CUDA registration) knows which one is in use.
 
 Everything a worker can write is untrusted here: main keeps its own copies of what
@@ -28,9 +28,10 @@ import warnings
 
 import numpy as np
 
-from poolloader import memfd
-from poolloader._shm import Mapping
-from poolloader.control import (
+from poolloader.errors import ControlCorrupt, ShmSpaceError
+from poolloader.shm import memfd
+from poolloader.shm._shm import Mapping
+from poolloader.shm.control import (
     H_GROWTH,
     H_MAIN_PID,
     H_NUM_SLOTS,
@@ -41,8 +42,7 @@ from poolloader.control import (
     Control,
     ControlLayout,
 )
-from poolloader.errors import ControlCorrupt, ShmSpaceError
-from poolloader.segments import (
+from poolloader.shm.segments import (
     SHM_LIMIT_ENV,
     PosixAttachment,
     PosixSegments,
@@ -189,6 +189,20 @@ class SlotPool:
     @property
     def total_bytes(self) -> int:
         return sum(m.size for m in self.mappings if m is not None)
+
+    @property
+    def is_open(self) -> bool:
+        """Slots are mapped and the control block is there (not closed yet)."""
+        return bool(self.mappings) and self.control is not None
+
+    @property
+    def largest_slot_bytes(self) -> int:
+        return max((m.size for m in self.mappings if m is not None), default=0)
+
+    def worker_counter(self, column: int) -> int:
+        """One column of the workers' counters, summed over workers (0 batches, 1 busy
+        ns, 2 idle ns; control.py's worker stats table); 0 once closed."""
+        return 0 if self.control is None else int(self.control.worker_stats[:, column].sum())
 
     def size(self, slot: int) -> int:
         mapping = self.mappings[slot]
@@ -389,7 +403,7 @@ class WorkerSlots:
         """Whether main (the pool's owner) still lives: its owner lock (segments.py)."""
         return self.attachment.owner_alive()
 
-    is_alive = owner_alive  # what supervise.parent_process_through asks
+    is_alive = owner_alive  # what poolloader.worker.popen.parent_process_through asks
     def sync(self) -> None:
         """Map what changed. Sets `dropped` if a slot's mapping was dropped or replaced
         (the caller then drops what it caches per mapping: SlotWriter.forget_stale)."""

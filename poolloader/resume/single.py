@@ -1,5 +1,5 @@
 """Resume with num_workers=0: DataLoader's own single-process iterator, counted, in
-StatefulDataLoader's single-process layout (see resume.py for the design)."""
+StatefulDataLoader's single-process layout (see keys.py for the design)."""
 from __future__ import annotations
 
 import itertools
@@ -8,7 +8,7 @@ import warnings
 import torch
 from torch.utils.data.dataloader import _DatasetKind, _SingleProcessDataLoaderIter
 
-from poolloader.resume import (
+from poolloader.resume.keys import (
     DATASET_ITER_STATE,
     DATASET_STATE,
     FETCHER_ENDED,
@@ -35,7 +35,7 @@ from poolloader.resume import (
     set_main_rng,
     set_rng,
 )
-from poolloader.resume_state import ResumePlan
+from poolloader.resume.tracker import continues_epoch
 
 # ---------------------------------------------------------------------------
 # num_workers=0: DataLoader's own single-process iterator, counted
@@ -170,15 +170,6 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
                        "generators_now": [g.get_state() for g in self._generators]},
             FORMAT: FORMAT_VERSION,
         }
-
-
-def continues_epoch(plan) -> bool:
-    """A loaded state that continues an epoch (not one saved after its end)."""
-    if plan is None:
-        return False
-    if isinstance(plan, ResumePlan):
-        return not plan.finished
-    return not plan.get(ITERATOR_FINISHED, False)
 
 
 def check_single_process_state(state: dict) -> dict:

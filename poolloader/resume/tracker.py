@@ -1,18 +1,25 @@
-"""Main's side of mid-epoch resume (see resume.py for the design): `ResumeTracker`
+"""Main's side of mid-epoch resume (see keys.py for the design): `ResumeTracker`
 follows an iterator's epoch (the records of delivered batches, the sampler's position,
 the round robin) and builds `state_dict()`; `ResumePlan` is a loaded state, applied
 by the next iterator and handed, per worker, to the worker process.
+
+The tracker reads the iterator's settings and never writes its fields: where a loaded
+state moves the iterator (its base seed, its sampler iterator, its counters, its round
+robin), the tracker returns the values (`base_seed`, `Resumed`) and the iterator sets
+them on itself.
 """
 from __future__ import annotations
 
 import collections
 import itertools
 import warnings
+from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 from torch.utils.data.dataloader import _DatasetKind
 
-from poolloader.resume import (
+from poolloader.resume.keys import (
     BASE_SEED,
     DATASET_ITER_STATE,
     DATASET_STATE,
@@ -55,6 +62,15 @@ from poolloader.resume import (
     worker_key,
 )
 
+
+class Resumed(NamedTuple):
+    """Where a loaded state puts the iterator at the start of its epoch."""
+    sampler_iter: Iterator      # the epoch's sampler iterator, positioned
+    yielded: int                # batches yielded before (DataLoader's _num_yielded)
+    len_called: int | None      # DataLoader's _IterableDataset_len_called
+    round_robin_done: int       # workers the round robin has passed this epoch
+
+
 # ---------------------------------------------------------------------------
 # main side
 
@@ -68,6 +84,7 @@ class ResumeTracker:
 
     def __init__(self, it, loader, plan: ResumePlan | None):
         n = it._num_workers
+        base_seed = it._base_seed
         self.num_workers = n
         self.in_order = it._in_order
         self.persistent = it._persistent_workers
@@ -89,11 +106,11 @@ class ResumeTracker:
                 # DataLoader draws each epoch's base seed from it: draw again, from its
                 # restored state (without generator= the seed came from the global RNG,
                 # as DataLoader's would)
-                it._base_seed = torch.empty((), dtype=torch.int64).random_(
+                base_seed = torch.empty((), dtype=torch.int64).random_(
                     generator=loader.generator).item()
         if plan is not None and (self.persistent or not plan.finished):
-            it._base_seed = plan.base_seed
-        self.base_seed = it._base_seed
+            base_seed = plan.base_seed
+        self.base_seed = base_seed  # the iterator takes it as its own
 
     def _new_epoch_counters(self) -> None:
         n = self.num_workers
@@ -125,7 +142,7 @@ class ResumeTracker:
         generators stand, i.e. what the sampler will draw from."""
         self._next_epoch_rng = main_rng(self.generators)
 
-    def position_epoch(self, it, first: bool) -> None:
+    def position_epoch(self, sampler_iter: Iterator, first: bool) -> Resumed | None:
         """After the previous epoch's replies are all in (persistent workers) and the
         epoch's sampler iterator and round robin exist, before the first request.
         A later epoch of persistent workers starts each worker where its last reply
@@ -136,14 +153,17 @@ class ResumeTracker:
             self.epoch_blob = [blob for _seq, blob in self.latest]
             self._new_epoch_counters()
         self.epoch_rng = self._next_epoch_rng
-        self.sampler_stateful = is_stateful(self.index_sampler) or is_stateful(it._sampler_iter)
+        self.sampler_stateful = is_stateful(self.index_sampler) or is_stateful(sampler_iter)
         plan, self.plan = self.plan, None
+        resumed = None
         if plan is not None and not plan.finished:
-            self._resume(it, plan)
+            resumed = self._resume(plan)
+            sampler_iter = resumed.sampler_iter
         if self.sampler_stateful:
-            self.snapshots.append((self.draws, self._sampler_states(it._sampler_iter)))
+            self.snapshots.append((self.draws, self._sampler_states(sampler_iter)))
+        return resumed
 
-    def _resume(self, it, plan: ResumePlan) -> None:
+    def _resume(self, plan: ResumePlan) -> Resumed:
         self.epoch_rng = plan.epoch_rng
         caller_rng = plan_rng = None
         if plan.epoch_rng is not None:
@@ -156,29 +176,25 @@ class ResumeTracker:
                 # torchdata's order: the sampler's state, a new iterator, the iterator's state
                 if plan.index_sampler_state is not None and is_stateful(self.index_sampler):
                     self.index_sampler.load_state_dict(plan.index_sampler_state)
-                it._sampler_iter = iter(self.index_sampler)
-                if plan.sampler_iter_state is not None and is_stateful(it._sampler_iter):
-                    it._sampler_iter.load_state_dict(plan.sampler_iter_state)
-            else:
                 sampler_iter = iter(self.index_sampler)
+                if plan.sampler_iter_state is not None and is_stateful(sampler_iter):
+                    sampler_iter.load_state_dict(plan.sampler_iter_state)
+            else:
+                drawn = iter(self.index_sampler)
                 try:
                     for _ in range(plan.position):
-                        next(sampler_iter)
+                        next(drawn)
                     # a sampler seeds itself on its first draw: make it under the epoch's state
-                    first = next(sampler_iter)
-                    it._sampler_iter = itertools.chain((first,), sampler_iter)
+                    first = next(drawn)
+                    sampler_iter = itertools.chain((first,), drawn)
                 except StopIteration:
-                    it._sampler_iter = iter(())
+                    sampler_iter = iter(())
         finally:
             if caller_rng is not None:
                 set_rng(caller_rng)
         self.position = self.draws = plan.position
         self.yielded = plan.yielded
-        it._num_yielded = plan.yielded
-        it._IterableDataset_len_called = plan.len_called
         self.last_worker = plan.last_worker
-        for _ in range((plan.last_worker + 1) % self.num_workers):
-            next(it._worker_queue_idx_cycle)
         self.replay.extend(plan.pending)
         if self.iterable:  # nothing drew from them this epoch but the base seed
             set_generators(plan.generators_now, self.generators)
@@ -187,6 +203,8 @@ class ResumeTracker:
             self.delivered[worker] = post
             self.epoch_blob[worker] = start
             self.latest[worker] = (-1, post if post is not None else start)
+        return Resumed(sampler_iter, plan.yielded, plan.len_called,
+                       (plan.last_worker + 1) % self.num_workers)
 
     def _sampler_states(self, sampler_iter):
         return (self.index_sampler.state_dict() if is_stateful(self.index_sampler) else None,
@@ -413,3 +431,13 @@ class ResumePlan:
                 WORKER_RNG: rng_for_worker(s.get(WORKER_RNG)),
                 WORKER_FETCHED: int(s.get(WORKER_FETCHED, 0) or 0),
                 FETCHER_STATE: s.get(FETCHER_STATE)}
+
+
+def continues_epoch(plan) -> bool:
+    """A loaded state (a ResumePlan, or a num_workers=0 state dict) that continues an
+    epoch, not one saved after its end."""
+    if plan is None:
+        return False
+    if isinstance(plan, ResumePlan):
+        return not plan.finished
+    return not plan.get(ITERATOR_FINISHED, False)

@@ -2,7 +2,7 @@
 
 Every segment is created exclusively (O_EXCL) with mode 0600 under a name carrying
 the owner's pid and a random token, space-checked and reserved (posix_fallocate),
-and mapped with the descriptor closed right after (poolloader._shm.Mapping keeps
+and mapped with the descriptor closed right after (poolloader.shm._shm.Mapping keeps
 none). SlotPool (pool.py) decides which segments a pool has; this module knows how
 one is made, named, found, judged stale and removed.
 Names: /pl2-<owner pid>-<token>-ctl for the control block and
@@ -33,9 +33,9 @@ tmpfs sees it, whatever its PID namespace, because it lives on the inode.
   main), and pid reuse cannot fool it.
 * So the control name stays for the pool's whole life (slot names still go as
   soon as every worker has mapped them), and a child that os.fork() makes in
-  main closes its inherited copy of the lock's descriptor at once (an at-fork
-  hook; exec closes it too): a long-lived child must not keep a dead main's pool
-  "alive". A raw C fork() without exec would keep it until that child exits.
+  main closes its inherited copy of the lock's descriptor at once (the at-fork
+  hook in poolloader.shm.fork; exec closes it too): a long-lived child must not
+  keep a dead main's pool "alive".
 * Between creating its control segment and locking it a new owner is exposed
   for a moment; it checks afterwards that it holds the lock and that the name
   still leads to its inode, and otherwise starts over under a new token.
@@ -53,10 +53,10 @@ what it wrote (generations, the growth counter, slot counts) and checks the ack
 table against them; the worker side bounds what it reads by the shape it
 validated when it attached (see control.py).
 
-Main's segments are mapped with MADV_DONTFORK, so a child forked later (any
-loader's workers) does not inherit them, but it does inherit the Python objects
-that point at them; every teardown path here and in the iterator does nothing
-in a process other than the one that made the pool.
+Main's segments are mapped with MADV_DONTFORK (poolloader.shm.fork), so a child
+forked later (any loader's workers) does not inherit them, but it does inherit the
+Python objects that point at them; every teardown path here and in the iterator
+does nothing in a process other than the one that made the pool.
 """
 from __future__ import annotations
 
@@ -69,8 +69,9 @@ import secrets
 
 import posix_ipc
 
-from poolloader._shm import Mapping
 from poolloader.errors import ShmSpaceError
+from poolloader.shm import fork
+from poolloader.shm._shm import Mapping
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 SHM_DIR = "/dev/shm"
@@ -131,33 +132,6 @@ def owner_lock_held(fd: int) -> bool:
     return _ofd_lock(fd, fcntl.F_OFD_GETLK).l_type != fcntl.F_UNLCK
 
 
-_held_fds: set[int] = set()  # descriptors this process keeps for its live pools
-
-
-def held_for_pool(fd: int) -> None:
-    """Record a descriptor main keeps for a pool (an owner lock, a memfd segment not yet
-    mapped by every worker), so that a child of os.fork() closes its copy at once."""
-    _held_fds.add(fd)
-
-
-def release_held(fd: int) -> None:
-    """Close a descriptor recorded with held_for_pool (an owner lock goes with it)."""
-    _held_fds.discard(fd)
-    os.close(fd)
-
-
-def _close_inherited() -> None:
-    # In a child of os.fork(): main's locks are main's, not this child's to keep alive,
-    # and segments it holds for its workers must not live on in this child.
-    for fd in _held_fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    _held_fds.clear()
-
-
-os.register_at_fork(after_in_child=_close_inherited)
 
 
 class _NameLost(Exception):
@@ -167,26 +141,13 @@ class _NameLost(Exception):
 class OwnerProbe:
     """Worker side: whether the owner of a pool still lives.
 
-    Opens the pool's control segment by name once and keeps that descriptor (one
-    per worker); is_alive() is one fcntl asking whether main's owner lock is still
-    held (see the module docstring). If the control name is already gone, the
-    owner closed the pool or died and was swept: is_alive() is False.
+    Keeps the worker's own descriptor of the pool's control segment, which the
+    caller hands over (one per worker); is_alive() is one fcntl asking whether main's
+    owner lock is still held (see the module docstring).
     """
 
-    def __init__(self, prefix: str):
-        try:
-            shm = posix_ipc.SharedMemory(control_name(prefix))
-        except posix_ipc.ExistentialError:
-            self._fd = None
-        else:
-            self._fd = shm.fd
-
-    @classmethod
-    def from_fd(cls, fd: int) -> OwnerProbe:
-        """A probe over a descriptor of the control segment that the caller hands over."""
-        probe = cls.__new__(cls)
-        probe._fd = fd
-        return probe
+    def __init__(self, fd: int):
+        self._fd: int | None = fd
 
     def is_alive(self) -> bool:
         return self._fd is not None and owner_lock_held(self._fd)
@@ -347,7 +308,7 @@ def claim_control(owner_pid: int, nbytes: int, limit: int | None) -> tuple[str, 
         except _NameLost:
             continue
         assert fd is not None
-        held_for_pool(fd)
+        fork.hold(fd)
         return prefix, mapping, fd
     raise RuntimeError(f"internal error: {_CLAIM_TRIES} new control segments in a row were "
                        "unlinked by other processes before this one could lock them")
@@ -355,7 +316,7 @@ def claim_control(owner_pid: int, nbytes: int, limit: int | None) -> tuple[str, 
 
 def release_owner_lock(fd: int) -> None:
     """Close a pool's locked descriptor: its owner lock goes with it."""
-    release_held(fd)
+    fork.release(fd)
 
 
 # -- the backend objects SlotPool and WorkerSlots use ---------------------------------
@@ -432,7 +393,7 @@ class PosixAttachment:
         except BaseException:
             shm.close_fd()
             raise
-        self._probe = OwnerProbe.from_fd(shm.fd)
+        self._probe = OwnerProbe(shm.fd)
 
     def owner_alive(self) -> bool:
         return self._probe.is_alive()

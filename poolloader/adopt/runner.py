@@ -8,7 +8,7 @@ directory as `sys.path[0]`, its exit code, and an uncaught exception printed by
 included (the process then dies of SIGINT as python's does). `-m MODULE` runs like
 `python -m MODULE` (runpy, the current directory as `sys.path[0]`).
 
-What changes (`--loader pool`, the default): see `poolloader.adopt` — every
+What changes (`--loader pool`, the default): see `poolloader.adopt.hook` — every
 `DataLoader(..., num_workers > 0)` built in this process or its multiprocessing
 children is a PoolLoader with the pool options given here; at exit (and on SIGUSR1,
 if the script has no handler of its own) a summary per loader goes to stderr.
@@ -33,7 +33,7 @@ import types
 import zipfile
 from importlib.machinery import SourceFileLoader
 
-from poolloader import adopt
+from poolloader.adopt import hook
 from poolloader.loader import PoolLoader
 
 ENV_PREFIX = "POOLLOADER_"
@@ -50,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Run SCRIPT (or -m MODULE) as python would, with every DataLoader it builds "
                     "with num_workers > 0 built as a PoolLoader.",
         epilog="Pool options may also come from the environment: "
-               + ", ".join(ENV_PREFIX + n.upper() for n in adopt.pool_option_names())
+               + ", ".join(ENV_PREFIX + n.upper() for n in hook.pool_option_names())
                + " (a flag wins). SIGUSR1 prints the summary while the script runs.")
     p.add_argument("--loader", choices=("pool", "torch"), default="pool",
                    help="pool (default): DataLoaders become PoolLoaders; torch: run the "
@@ -58,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-summary", dest="summary", action="store_false",
                    help="no summary at exit, no SIGUSR1 handler")
     group = p.add_argument_group("pool options (PoolLoader keyword arguments)")
-    for name in adopt.pool_option_names():
+    for name in hook.pool_option_names():
         group.add_argument(_flag(name), dest=name, metavar="VALUE", default=None,
                            help=f"PoolLoader(..., {name}=VALUE); env {ENV_PREFIX}{name.upper()}")
     return p
@@ -68,7 +68,7 @@ def split_argv(argv: list[str]) -> tuple[list[str], str | None, str | None, list
     """(runner options, script, module, script args): the runner's options end at the
     first argument that is not one of them; everything after SCRIPT / `-m MODULE` is the
     script's, even if it looks like a runner option (`--loader torch`)."""
-    takes_value = {"--loader"} | {_flag(n) for n in adopt.pool_option_names()}
+    takes_value = {"--loader"} | {_flag(n) for n in hook.pool_option_names()}
     i = 0
     while i < len(argv):
         arg = argv[i]
@@ -102,7 +102,7 @@ def pool_options(parsed: argparse.Namespace, environ=os.environ) -> dict:
     """The pool options given by flag or environment variable, checked by building a
     PoolLoader with them (so a bad value fails here, naming where it came from)."""
     options, sources = {}, {}
-    for name in adopt.pool_option_names():
+    for name in hook.pool_option_names():
         flag_value, env = getattr(parsed, name), ENV_PREFIX + name.upper()
         if flag_value is not None:
             options[name], sources[name] = _value(flag_value), f"{_flag(name)} {flag_value}"
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
         _parser().error("give a SCRIPT to run (or -m MODULE)")
     summary = False
     if parsed.loader == "pool":
-        adopt.enable(pool_options(parsed), report=parsed.summary)
+        hook.enable(pool_options(parsed), report=parsed.summary)
         summary = parsed.summary
     try:
         if module is not None:
@@ -149,9 +149,9 @@ def main(argv: list[str] | None = None) -> None:
 def _start_summary() -> None:
     """The summary at exit and on SIGUSR1 (if the script's SIGUSR1 is still the default);
     called once the script is found, so a typo in its name prints only python's error."""
-    adopt.print_summary_at_exit()
+    hook.print_summary_at_exit()
     if signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL:
-        signal.signal(signal.SIGUSR1, lambda signum, frame: adopt.print_summary())
+        signal.signal(signal.SIGUSR1, lambda signum, frame: hook.print_summary())
 
 
 def _fresh_main() -> types.ModuleType:

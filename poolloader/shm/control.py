@@ -27,7 +27,7 @@ the readers below; both sides use these functions only:
     S    worker stats         num_workers × 4 u64, written by each worker for itself:
            [0] batches produced  [1] ns producing (fetch + collate + encode)
            [2] ns waiting for a request (idle: no free slot / consumer slow)
-           [3] busy stamp: slot being produced and since when (poolloader.stall owns it)
+           [3] busy stamp: slot being produced and since when (poolloader.worker.stall owns it)
     C    rings                per worker: request ring, done ring (capacity max_slots each)
 
 Main and every worker map all of it, so any of them can overwrite any of it. Each
@@ -41,8 +41,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from poolloader._ring import DOORBELL_BYTES, Doorbell, Ring
 from poolloader.errors import ControlCorrupt
+from poolloader.shm._ring import DOORBELL_BYTES, Doorbell, Ring
 
 CONTROL_MAGIC = 0x6C6F72746E6F434C  # "LControl"
 _HEADER_FIELDS = 8

@@ -1,6 +1,6 @@
 """Build the DataLoaders a script constructs as PoolLoaders, without editing the script.
 
-The runner (`python -m poolloader SCRIPT`, `poolloader.runner`) sets
+The runner (`python -m poolloader SCRIPT`, `poolloader.adopt.runner`) sets
 `torch.utils.data.DataLoader.__new__` once per process (`enable`) to `_new` below
 (through a descriptor that keeps `inspect.signature(DataLoader)` DataLoader's own,
 for tools that configure loaders by introspection: LightningCLI, jsonargparse).
@@ -47,13 +47,13 @@ import time
 import types
 import typing
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import ClassVar
 
 import torch.utils.data
 from torch.utils.data import DataLoader
 
-import poolloader.loader
+from poolloader.adopt import rebuilds
 from poolloader.loader import PoolLoader
 
 _DATALOADER_PARAMS = inspect.signature(DataLoader.__init__)
@@ -107,6 +107,8 @@ class _State:
     built: ClassVar[list[_Built]] = []
     recorders: ClassVar[list[dict]] = []  # open `recording()` blocks
     exit_hook_pid = 0
+    # (PoolLoader.__init__ while _observe_pool_loaders wraps it, the original)
+    observer: tuple[Callable, Callable] | None = None
     lock = threading.Lock()
 
 
@@ -123,8 +125,8 @@ def enable(options: dict, report: bool = True) -> None:
     _State.options = dict(options)
     _State.report = report
     _State.started = time.monotonic()
-    if _observe not in poolloader.loader.new_loader_observers:
-        poolloader.loader.new_loader_observers.append(_observe)
+    _observe_pool_loaders(True)
+    rebuilds.set_pooling_every_loader(True)
     if multiprocessing.spawn.get_preparation_data is not _preparation_data:
         _preparation_data.original = multiprocessing.spawn.get_preparation_data  # type: ignore[attr-defined]
         multiprocessing.spawn.get_preparation_data = _preparation_data
@@ -135,8 +137,8 @@ def disable() -> None:
     doing nothing). Loaders already built are unchanged."""
     _State.options = None
     PooledDataLoader.options = {}
-    if _observe in poolloader.loader.new_loader_observers:
-        poolloader.loader.new_loader_observers.remove(_observe)
+    _observe_pool_loaders(False)
+    rebuilds.set_pooling_every_loader(False)
     if multiprocessing.spawn.get_preparation_data is _preparation_data:
         multiprocessing.spawn.get_preparation_data = _preparation_data.original  # type: ignore[attr-defined]
 
@@ -255,6 +257,25 @@ def _num_workers(args, kwargs):
         return None
 
 
+def _observe_pool_loaders(on: bool) -> None:
+    """While pooling is on, every PoolLoader (built by the hook or by the script itself)
+    is listed once initialised: `PoolLoader.__init__` is wrapped (functools.wraps: its
+    signature stays) by enable() and unwrapped by disable(), as recording() wraps
+    DataLoader's. The loader itself knows nothing of the runner."""
+    with _State.lock:
+        current = PoolLoader.__dict__["__init__"]
+        if on and _State.observer is None:
+            @functools.wraps(current)
+            def observed_init(self, *args, **kwargs):
+                current(self, *args, **kwargs)
+                _observe(self)
+            _State.observer = (observed_init, current)
+            PoolLoader.__init__ = observed_init  # type: ignore[method-assign]
+        elif not on and _State.observer is not None and current is _State.observer[0]:
+            PoolLoader.__init__ = _State.observer[1]  # type: ignore[method-assign]
+            _State.observer = None
+
+
 def _observe(loader: PoolLoader) -> None:
     """Every PoolLoader (built by the hook or by the script itself), once initialised."""
     kind = "pool" if loader.num_workers > 0 else "no workers"
@@ -291,7 +312,7 @@ def print_summary(file=None) -> None:
 # -- where a loader was built -----------------------------------------------------------
 
 _SKIP_DIRS = tuple(os.path.dirname(str(m.__file__)) + os.sep
-                   for m in (torch.utils.data, poolloader.loader)) + (typing.__file__,)
+                   for m in (torch.utils.data, sys.modules["poolloader"])) + (typing.__file__,)
 
 
 def _where() -> str:

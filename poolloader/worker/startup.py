@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from poolloader import memfd
-from poolloader.segments import release_held, retire
+from poolloader.shm import fork, memfd
+from poolloader.shm.segments import retire
 
 
 class SharedStart:
@@ -39,11 +39,11 @@ class SharedStart:
         mapping, fd, inode = memfd.create(max(1, len(blob)), "the workers' start arguments",
                                           "start", dontfork=True)
         try:
-            buffer: Any = mapping  # a buffer exporter (poolloader._shm: no __buffer__ in its stub)
+            buffer: Any = mapping  # a buffer exporter (poolloader.shm._shm: no __buffer__ in its stub)
             np.frombuffer(buffer, np.uint8, count=len(blob))[:] = np.frombuffer(blob, np.uint8)
             self.ticket: tuple | None = (os.getpid(), fd, inode, mapping.size, len(blob))
         except BaseException:
-            release_held(fd)
+            fork.release(fd)
             raise
         finally:
             retire(mapping)  # main needs no mapping of it
@@ -53,7 +53,7 @@ class SharedStart:
     def close(self) -> None:
         if self._fd is not None:
             fd, self._fd = self._fd, None
-            release_held(fd)
+            fork.release(fd)
 
 
 def share(payload: Any) -> SharedStart | None:

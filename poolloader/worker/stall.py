@@ -12,7 +12,7 @@ store:
   signal: torch's workers use SIGBUS/SIGSEGV/SIGFPE/SIGTERM, schedulers send
   SIGUSR1/SIGUSR2 (SLURM, Lightning's requeue), nothing sends this one.
 * `busy_stamp()` is what the worker writes into column [3] of its worker_stats row
-  (poolloader.control) when it starts on a request: the slot it is on and when it
+  (poolloader.shm.control) when it starts on a request: the slot it is on and when it
   started (CLOCK_MONOTONIC, one clock for every process).
 
 Main side, only when a wait has lasted its `timeout` or `stall_warning`:
@@ -100,7 +100,7 @@ class OwedWork:
 def owed_work(workers, worker_stats, inflight: dict, sent: dict) -> list[OwedWork]:
     """Per worker with requests in flight: what it owes and which one it is on.
 
-    `inflight`: slot -> (seq, worker) (poolloader.ledger); `sent`: slot -> the sample
+    `inflight`: slot -> (seq, worker) (poolloader.main.ledger); `sent`: slot -> the sample
     indices main sent in that slot's request; `worker_stats`: the control block's
     (num_workers, 4) table, column [3] the busy stamps."""
     now = time.perf_counter_ns()

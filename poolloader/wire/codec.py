@@ -15,12 +15,12 @@ the rings and control block) in main, never a read or write outside the slot, a
 crash, a hang or an allocation sized by a corrupt field.
 
 * checked: the header (magic, the batch number and worker echoed, status, every
-  offset and length inside the slot: `check_header`, `slot_format.reply_status`);
+  offset and length inside the slot: `slot_format.check_reply` and `reply_status`);
   the skeleton's CRC32 before pickle sees it (integrity, not authenticity); each
   persistent id (kind, dtype code, alignment; a view is bounded by the lease over
   the data region or by the private small buffer; a zero-element tensor must have
   a zero in its shape, so nothing is allocated from a claimed size); the request
-  and resume record bounds; ring counters and capacity (poolloader._ring).
+  and resume record bounds; ring counters and capacity (poolloader.shm._ring).
 * not checked: the values of tensor and array bytes (a worker that writes wrong
   numbers delivers them, as under DataLoader); what the unpickled skeleton builds
   besides tensors; a worker writing a slot after it returned it (invariant 1 is
@@ -37,35 +37,28 @@ from typing import Literal
 import numpy as np
 import torch
 
-from poolloader._shm import Lease, take_lease
 from poolloader.errors import SlotCorrupt
-from poolloader.slot_format import (
-    _A,
-    _AS,
-    _NUM_DTYPES,
-    _P,
-    _T,
-    _TS,
+from poolloader.shm._shm import Lease, take_lease
+from poolloader.wire.slot_format import (
     DATA_OFF,
     DTYPE_CODE,
     DTYPES,
-    F_DATA_LEN,
-    F_MAGIC,
-    F_SKELETON_CRC,
-    F_SKELETON_LEN,
-    F_SKELETON_OFF,
-    F_SMALL_LEN,
-    F_SMALL_OFF,
-    F_STATUS,
     ITEMSIZE,
-    SLOT_MAGIC,
+    NUM_DTYPES,
     SMALL_BATCH_BYTES,
     SMALL_TENSOR_BYTES,
     NeedsGrow,
-    _align_small,
     align64,
+    align_small,
+    check_reply,
+    claimed_data_len,
+    publish_reply,
     span_elements,
 )
+
+# Persistent id kinds in a skeleton: a tensor or array in the data region, in the
+# small block, or pickled whole.
+PID_TENSOR, PID_ARRAY, PID_SMALL_TENSOR, PID_SMALL_ARRAY, PID_PICKLED = 1, 2, 3, 4, 5
 
 # ---------------------------------------------------------------------------
 # worker side: allocate in the slot, encode a payload
@@ -184,7 +177,7 @@ class _SkeletonPickler(pickle.Pickler):
     def _small(self, nbytes: int) -> int | None:
         if nbytes > SMALL_TENSOR_BYTES or self.small_len + nbytes > SMALL_BATCH_BYTES:
             return None
-        off = _align_small(self.small_len)
+        off = align_small(self.small_len)
         self.small_len = off + nbytes
         return off
 
@@ -192,7 +185,7 @@ class _SkeletonPickler(pickle.Pickler):
         if t.is_nested:
             # torch rebuilds a nested tensor from its buffer's storage start, ignoring a
             # view's offset: carry it whole, pickled as DataLoader's pickling would
-            return (_P, pickle.dumps(t, protocol=pickle.HIGHEST_PROTOCOL))
+            return (PID_PICKLED, pickle.dumps(t, protocol=pickle.HIGHEST_PROTOCOL))
         code = DTYPE_CODE.get(t.dtype)
         if code is None or not _plain_tensor(t):
             return None
@@ -205,7 +198,7 @@ class _SkeletonPickler(pickle.Pickler):
         small = self._small(nbytes)
         if small is not None:
             self.small.append((t, nbytes, small))
-            pid = (_TS, code, small, shape, stride)
+            pid = (PID_SMALL_TENSOR, code, small, shape, stride)
         else:
             w = self.writer
             off = w.locate(t, nbytes)
@@ -215,7 +208,7 @@ class _SkeletonPickler(pickle.Pickler):
                     off = DATA_OFF  # overflow: keep counting, NeedsGrow follows
                 elif nbytes:
                     w.u8[off:off + nbytes].view(t.dtype).copy_(_span(t, count))
-            pid = (_T, code, off, shape, stride, count)
+            pid = (PID_TENSOR, code, off, shape, stride, count)
         self.memo_ids[id(t)] = pid
         self.keep.append(t)
         return pid
@@ -227,14 +220,14 @@ class _SkeletonPickler(pickle.Pickler):
         small = self._small(a.nbytes)
         if small is not None:
             self.small.append((a, a.nbytes, small))
-            return (_AS, a.dtype.str, small, a.shape, order)
+            return (PID_SMALL_ARRAY, a.dtype.str, small, a.shape, order)
         w = self.writer
         off = w.alloc(a.nbytes)
         if off is None:
             off = DATA_OFF
         elif a.nbytes:
             np.ndarray(a.shape, a.dtype, buffer=w.np_u8, offset=off, order=order)[...] = a
-        return (_A, a.dtype.str, off, a.shape, order)
+        return (PID_ARRAY, a.dtype.str, off, a.shape, order)
 
     def write_small(self, small_off: int) -> None:
         w = self.writer
@@ -279,14 +272,8 @@ def encode(writer: SlotWriter, header: np.ndarray, payload, status: int) -> None
         raise NeedsGrow(needed)
     pickler.write_small(small_off)
     writer.np_u8[skel_off:needed] = np.frombuffer(skeleton, np.uint8)
-    header[F_SKELETON_CRC] = zlib.crc32(skeleton)
-    header[F_DATA_LEN] = small_off - DATA_OFF
-    header[F_SMALL_OFF] = small_off
-    header[F_SMALL_LEN] = small_len
-    header[F_SKELETON_OFF] = skel_off
-    header[F_SKELETON_LEN] = len(skeleton)
-    header[F_MAGIC] = SLOT_MAGIC
-    header[F_STATUS] = status
+    publish_reply(header, small_off, small_len, skel_off, len(skeleton), zlib.crc32(skeleton),
+                  status)
 
 
 # ---------------------------------------------------------------------------
@@ -321,7 +308,7 @@ class _SkeletonUnpickler(_FallbackUnpickler):
         self.lease = lease        # the batch's bytes of the data region [DATA_OFF, data end)
         self.small = small        # private copy of the small block (uint8), or None
         self.small_buffer = small_buffer  # allocates it (page-locked with pin_memory), or None
-        self.small_typed = [None] * _NUM_DTYPES
+        self.small_typed = [None] * NUM_DTYPES
         self.views = 0
 
     def _small_block(self) -> torch.Tensor:
@@ -340,16 +327,16 @@ class _SkeletonUnpickler(_FallbackUnpickler):
         # small buffer).
         try:
             kind = pid[0]
-            if kind == _TS:
+            if kind == PID_SMALL_TENSOR:
                 _, code, off, shape, stride = pid
-                if 0 <= code < _NUM_DTYPES and not off % ITEMSIZE[code]:
+                if 0 <= code < NUM_DTYPES and not off % ITEMSIZE[code]:
                     typed = self.small_typed[code]
                     if typed is None:
                         typed = self.small_typed[code] = self._small_block().view(DTYPES[code])
                     return typed.as_strided(shape, stride, off // ITEMSIZE[code])
-            elif kind == _T:
+            elif kind == PID_TENSOR:
                 _, code, off, shape, stride, count = pid
-                if 0 <= code < _NUM_DTYPES and off >= DATA_OFF and not off % ITEMSIZE[code]:
+                if 0 <= code < NUM_DTYPES and off >= DATA_OFF and not off % ITEMSIZE[code]:
                     if count == 0:
                         # nothing in the slot bounds this tensor: only a shape of zero
                         # elements is taken (a corrupt one must not size an allocation)
@@ -361,14 +348,14 @@ class _SkeletonUnpickler(_FallbackUnpickler):
                                            offset=off - DATA_OFF)
                     self.views += 1
                     return own.as_strided(shape, stride, 0)
-            elif kind == _A:
+            elif kind == PID_ARRAY:
                 _, dtype_str, off, shape, order = pid
                 self.views += 1
                 return self._array(self.lease, DATA_OFF, dtype_str, off, shape, order)
-            elif kind == _AS:
+            elif kind == PID_SMALL_ARRAY:
                 _, dtype_str, off, shape, order = pid
                 return self._array(self._small_block().numpy(), 0, dtype_str, off, shape, order)
-            elif kind == _P:
+            elif kind == PID_PICKLED:
                 _, blob = pid
                 if type(blob) is bytes:
                     return _FallbackUnpickler(io.BytesIO(blob)).load()
@@ -391,23 +378,6 @@ class _SkeletonUnpickler(_FallbackUnpickler):
         return np.ndarray(shape, dtype, buffer=buffer, offset=off - base, order=order)
 
 
-def check_header(header: np.ndarray, slot_size: int) -> tuple[int, int, int, int, int]:
-    """Validate a published header against the slot size;
-    returns (data_len, small_off, small_len, skel_off, skel_len)."""
-    if int(header[F_MAGIC]) != SLOT_MAGIC:
-        raise SlotCorrupt(f"bad slot magic {int(header[F_MAGIC]):#x}")
-    data_len = int(header[F_DATA_LEN])
-    small_off, small_len = int(header[F_SMALL_OFF]), int(header[F_SMALL_LEN])
-    skel_off, skel_len = int(header[F_SKELETON_OFF]), int(header[F_SKELETON_LEN])
-    if (data_len % 64 or small_len % 64 or DATA_OFF + data_len > slot_size
-            or small_off < DATA_OFF + data_len or small_len > SMALL_BATCH_BYTES + 64
-            or skel_off < small_off + small_len or skel_off + skel_len > slot_size):
-        raise SlotCorrupt(
-            f"slot header out of bounds: data {data_len} bytes, small block {small_len} bytes "
-            f"at {small_off}, skeleton {skel_len} bytes at {skel_off}, slot {slot_size} bytes")
-    return data_len, small_off, small_len, skel_off, skel_len
-
-
 def copy_small(mapping, small_off: int, small_len: int, small_buffer=None) -> torch.Tensor:
     """The batch's private copy of its small block: one allocation, one copy."""
     small = (torch.empty(small_len, dtype=torch.uint8) if small_buffer is None
@@ -428,17 +398,17 @@ def decode(mapping, header: np.ndarray, registry: dict | None = None, on_release
     """
     # the lease first, over whatever the header claims (clamped to the slot), so a
     # corrupt header below is an error whose lease still gives the slot back
-    claimed = min(int(header[F_DATA_LEN]), mapping.size - DATA_OFF)
+    claimed = claimed_data_len(header, mapping.size)
     if registry is not None:
         lease = take_lease(mapping, DATA_OFF, claimed, registry, on_release, key)
     else:
         lease = Lease(mapping, DATA_OFF, claimed)
-    data_len, small_off, small_len, skel_off, skel_len = check_header(header, mapping.size)
+    _data_len, small_off, small_len, skel_off, skel_len, expected = check_reply(header, mapping.size)
     skeleton = bytes(memoryview(mapping)[skel_off:skel_off + skel_len])
     crc = zlib.crc32(skeleton)
-    if crc != int(header[F_SKELETON_CRC]):
+    if crc != expected:
         raise SlotCorrupt(f"slot skeleton checksum {crc:#010x} does not match the header's "
-                          f"{int(header[F_SKELETON_CRC]):#010x} ({skel_len} bytes at {skel_off})")
+                          f"{expected:#010x} ({skel_len} bytes at {skel_off})")
     small = copy_small(mapping, small_off, small_len, small_buffer) if small_len else None
     unpickler = _SkeletonUnpickler(io.BytesIO(skeleton), lease, small, small_buffer)
     try:

@@ -36,9 +36,10 @@ import errno
 import fcntl
 import os
 
-from poolloader._shm import Mapping
 from poolloader.errors import ShmSpaceError
-from poolloader.segments import held_for_pool, owner_lock_held, release_held, take_owner_lock
+from poolloader.shm import fork
+from poolloader.shm._shm import Mapping
+from poolloader.shm.segments import owner_lock_held, take_owner_lock
 
 NAME = "poolloader"  # what /proc/<pid>/maps shows: /memfd:poolloader-<what> (deleted)
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL if hasattr(fcntl, "F_SEAL_SEAL") else 0
@@ -168,8 +169,8 @@ def _probe() -> str | None:
 def create(nbytes: int, what: str, label: str, dontfork: bool = True) -> tuple[Mapping, int, int]:
     """A new sealed, reserved segment of `nbytes`: (mapping, descriptor, inode).
 
-    The caller keeps the descriptor (registered with held_for_pool) until every
-    worker has opened it, then closes it with release_held."""
+    The caller keeps the descriptor (registered with fork.hold) until every
+    worker has opened it, then closes it with fork.release."""
     fd = os.memfd_create(f"{NAME}-{label}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, nbytes)
@@ -187,7 +188,7 @@ def create(nbytes: int, what: str, label: str, dontfork: bool = True) -> tuple[M
     except BaseException:
         os.close(fd)
         raise
-    held_for_pool(fd)
+    fork.hold(fd)
     return mapping, fd, inode
 
 
@@ -196,7 +197,7 @@ def claim_control(nbytes: int) -> tuple[Mapping, int, int]:
     The fd is the pool's one descriptor for its whole life (segments.py: owner lock)."""
     mapping, fd, inode = create(nbytes, "the control block", "control")
     if not take_owner_lock(fd):
-        release_held(fd)
+        fork.release(fd)
         raise RuntimeError("internal error: a new memfd's owner lock is already held")
     return mapping, fd, inode
 
@@ -276,7 +277,7 @@ class MemfdSegments:
     def release(self, fd: int) -> None:
         if fd in self._fds:
             self._fds.discard(fd)
-            release_held(fd)
+            fork.release(fd)
 
     @property
     def live_handles(self) -> set[int]:
@@ -285,10 +286,10 @@ class MemfdSegments:
 
     def close(self) -> None:
         for fd in self._fds:
-            release_held(fd)
+            fork.release(fd)
         self._fds.clear()
         if self._control is not None:
-            release_held(self._control[0])  # the owner lock goes with it
+            fork.release(self._control[0])  # the owner lock goes with it
             self._control = None
 
 

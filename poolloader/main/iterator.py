@@ -5,7 +5,7 @@ and IterableDataset warnings are DataLoader's own; request scheduling mirrors
 `_MultiProcessingDataLoaderIter` call for call (same round-robin, same
 prefetch, same in-order and `in_order=False` rules), so batches are assigned to
 the same workers and delivered in the same order. A request never waits for a
-slot (poolloader.ledger detaches a held one instead), so requests go out exactly
+slot (poolloader.main.ledger detaches a held one instead), so requests go out exactly
 when DataLoader's would.
 
 Parts it uses: `ledger.SlotLedger` (slot states, sizing, growth, detach),
@@ -35,14 +35,18 @@ from torch.utils.data.dataloader import (
     _sharding_worker_init_fn,
 )
 
-from poolloader import codec, cuda, stall, startup, supervise
-from poolloader import slot_format as fmt
+from poolloader.cuda import gate
 from poolloader.errors import ControlCorrupt, SlotCorrupt, WorkerDied
-from poolloader.ledger import SlotLedger, plan_sizes
-from poolloader.pool import SlotPool
-from poolloader.resume_state import ResumeTracker
+from poolloader.main import supervise
+from poolloader.main.ledger import SlotLedger, plan_sizes
+from poolloader.resume.tracker import ResumeTracker
+from poolloader.shm.pool import SlotPool
 from poolloader.stats import LoaderStats
-from poolloader.worker import WorkerConfig, worker_loop
+from poolloader.wire import codec
+from poolloader.wire import slot_format as fmt
+from poolloader.worker import stall, startup
+from poolloader.worker.loop import WorkerConfig, worker_loop
+from poolloader.worker.popen import start_without_pipes
 
 # torch's samplers whose every index is a Python int (exact types: a subclass may differ)
 _INT_SAMPLERS = (SequentialSampler, RandomSampler, DistributedSampler)
@@ -56,7 +60,7 @@ def _yields_int_lists(index_sampler) -> bool:
 
 
 def _stall_reporter(workers, pool: SlotPool, ledger: SlotLedger, sent: dict):
-    """What Replies calls for a stall report (poolloader.stall): which worker owes which
+    """What Replies calls for a stall report (poolloader.worker.stall): which worker owes which
     batch, since when, and its stack. A closure over the iterator's parts, not over the
     iterator, so that no cycle delays the iterator's shutdown when it is dropped."""
     def report() -> str:
@@ -96,7 +100,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         # gate: registers slots and gates their reuse on CUDA copies; stager: what
         # _next_data hands each host batch to (pinning, or device= copies one ahead)
         self._gate = self._stager = None
-        self._gate, self._stager = cuda.setup(loader, self._pin_memory,
+        self._gate, self._stager = gate.setup(loader, self._pin_memory,
                                               getattr(self, "_pin_memory_device", None))
         self._small_buffer = self._gate.small_buffer if self._gate is not None else None
         n = self._num_workers
@@ -104,6 +108,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         self._epoch = 0
         # state_dict()/load_state_dict(): takes the base seed of a loaded state, if any
         self._resume = ResumeTracker(self, loader, loader._take_resume_plan())
+        self._base_seed = self._resume.base_seed  # a loaded state's, if any
         ctx = loader.multiprocessing_context or torch.multiprocessing
         self._pool = SlotPool(
             n, size.slots, size.max_slots, size.slot_bytes, loader.shm_limit,
@@ -126,7 +131,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                 init_fn = functools.partial(_sharding_worker_init_fn, init_fn,
                                             self._world_size, self._rank)
             # spawn / forkserver: the dataset, init_fn and collate_fn are pickled once
-            # into shared memory, not once per worker (poolloader.startup)
+            # into shared memory, not once per worker (poolloader.worker.startup)
             shared = startup.share((self._dataset, init_fn, self._collate_fn)) \
                 if n and startup.shares(ctx) else None
             self._shared_start = shared
@@ -142,7 +147,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                     pool=self._pool.locator, resume=self._resume.worker_plan(i),
                     shared=shared.ticket if shared else None, shared_seed=self._shared_seed,
                     capture=loader.stateful)
-                self._workers.append(supervise.start_worker(ctx, worker_loop, (cfg,)))
+                self._workers.append(start_without_pipes(ctx, worker_loop, (cfg,)))
             supervise.track(self)
             self._stats._attach(self._pool, self._ledger)
             self._stats.num_workers = n
@@ -193,7 +198,14 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         self._sampler_exhausted = False
         self._puts_owed = 0  # requests a failed _try_put_index still owes (see there)
         self._unsent: tuple | None = None  # (index, worker) drawn by one of them, not sent
-        self._resume.position_epoch(self, first_iter)  # after _reclaim_all; applies a loaded state
+        # after _reclaim_all; a loaded state moves the sampler, the counters and the round robin
+        resumed = self._resume.position_epoch(self._sampler_iter, first_iter)
+        if resumed is not None:
+            self._sampler_iter = resumed.sampler_iter
+            self._num_yielded = resumed.yielded
+            self._IterableDataset_len_called = resumed.len_called  # type: ignore[assignment]
+            for _ in range(resumed.round_robin_done):
+                next(self._worker_queue_idx_cycle)
         for _ in range(self._prefetch_factor * self._num_workers):
             self._try_put_index()
 
@@ -222,7 +234,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                 "Iterate a new PoolLoader (with persistent_workers=True the loader keeps "
                 "this iterator, so build the loader again), or fix the error above.")
 
-    # -- resume: poolloader.resume ---------------------------------------------
+    # -- resume: poolloader.resume.keys ---------------------------------------------
     def _next_index(self):
         return self._resume.next_index(self._sampler_iter, self._send_idx)
 
@@ -352,7 +364,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
 
     def _heard(self, worker: int) -> None:
         """A worker replied, so it loaded its start arguments: once all have, main's
-        copy of them is released (poolloader.startup)."""
+        copy of them is released (poolloader.worker.startup)."""
         self._unheard.discard(worker)
         if not self._unheard and self._shared_start is not None:
             self._shared_start.close()

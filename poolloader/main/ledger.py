@@ -5,7 +5,7 @@ Slot states, all owned by main except IN_WORKER (invariant 1):
     FREE       in `free` (or cooling behind a CUDA event in the gate)
     IN_WORKER  in `inflight`: pushed on the worker's request ring
     READY      back from its worker, not yet delivered (the iterator's reorder buffer)
-    LEASED     delivered: a Lease (poolloader._shm) views its data region and is
+    LEASED     delivered: a Lease (poolloader.shm._shm) views its data region and is
                registered in `leases`; when the lease dies its weakref lands on
                `released` (a C-level deque.append, any thread) and `drain()` makes
                the slot FREE again
@@ -15,29 +15,24 @@ needs a slot and none is FREE, the oldest LEASED slot is *detached*: its segment
 leaves the pool and stays with the batch that still views it (like a DataLoader
 batch, freed when its last tensor dies), and the slot gets a fresh segment. A slot
 whose mapping was inherited by a forked child (`Mapping.forked`, set by the fork
-hook in poolloader._shm) is detached when its batch is released, never reused.
+hook in poolloader.shm.fork) is detached when its batch is released, never reused.
 """
 from __future__ import annotations
 
 import collections
-import os
 import warnings
 from typing import NamedTuple
 
-from poolloader import slot_format as fmt
-from poolloader._shm import share_leased_with_children
-from poolloader.cuda import COOL_TIMEOUT_S
+from poolloader.cuda.gate import COOL_TIMEOUT_S
 from poolloader.errors import ShmSpaceError, SlotCorrupt
-from poolloader.pool import SlotPool
-from poolloader.segments import page_round, retire
+from poolloader.shm.pool import SlotPool
+from poolloader.shm.segments import page_round, retire
+from poolloader.wire import slot_format as fmt
 
 # Headroom when a slot grows.
 GROWTH_FACTOR = 1.25
 # Slots beyond num_workers * prefetch_factor for batches the consumer holds.
 SPARE_SLOTS = 2
-
-os.register_at_fork(before=share_leased_with_children)
-
 
 def default_slots(num_workers: int, prefetch_factor: int) -> int:
     return num_workers * prefetch_factor + SPARE_SLOTS

@@ -1,0 +1,104 @@
+"""The one adapter over CPython's multiprocessing internals, for both ends of a worker.
+
+Why it reaches in: multiprocessing keeps two pipe ends in the parent for each fork or
+spawn child, serving only `Process.join(timeout)` and the child's `parent_process()`;
+32 workers would need 64 descriptors in main, and invariant 2 says main keeps no
+descriptor per worker. There is no public way to start a Process without them, so:
+
+* main (`start_without_pipes`): right after `start()`, the parent's ends are closed
+  and the process object's wait becomes waitpid polling, so `join(timeout)`,
+  `is_alive()` and `exitcode` still work for any code that calls them. Forkserver
+  children keep theirs: their exit code arrives through it.
+* worker (`parent_process_through`): multiprocessing's `parent_process()` answers
+  `is_alive()`/`join()` from the pipe main just closed, so it would read main as dead;
+  it is replaced by one that asks the pool's owner probe, as DataLoader's answers.
+
+Nothing else in poolloader touches `Process._popen`, `Popen.sentinel`, `finalizer` or
+`multiprocessing.process._parent_process`.
+"""
+from __future__ import annotations
+
+import multiprocessing.process
+import time
+import warnings
+from pickle import PicklingError
+
+# Start methods whose Popen.poll() uses waitpid, not the sentinel pipe.
+_WAITPID_POPENS = ("multiprocessing.popen_fork", "multiprocessing.popen_spawn_posix")
+
+
+def start_without_pipes(ctx, target, args):
+    """Start one daemon process of `ctx` and drop its parent-side pipe ends. A pickling
+    error (spawn/forkserver) gets the warning DataLoader gives, word for word, before it
+    is re-raised."""
+    process = ctx.Process(target=target, args=args, daemon=True)
+    try:
+        process.start()
+    except (TypeError, AttributeError, PicklingError):
+        warnings.warn(
+            "Got pickle error when attempting to start a worker Process. "
+            "This might be because the worker Process arguments are not picklable. "
+            "Python 3.14+ changed the multiprocessing start method in non-Mac POSIX platforms "
+            "to 'forkserver', which requires the worker Process arguments to be picklable. "
+            "You can also try multiprocessing.set_start_method('fork').",
+            stacklevel=5)  # the caller of iter(loader)
+        raise
+    popen = process._popen
+    if type(popen).__module__ in _WAITPID_POPENS and getattr(popen, "finalizer", None):
+        popen.finalizer()
+        popen.sentinel = None
+        process._sentinel = None
+        popen.wait = lambda timeout=None: _poll_wait(popen, timeout)
+    return process
+
+
+def _poll_wait(popen, timeout=None):
+    """Popen.wait without the sentinel pipe: waitpid polling, bounded by `timeout`."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    pause = 0.001
+    while True:
+        code = popen.poll()
+        if code is not None:
+            return code
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            pause = min(pause, left)
+        time.sleep(pause)
+        pause = min(pause * 2, 0.02)
+
+
+class _ParentThroughOwner(multiprocessing.process._ParentProcess):  # type: ignore[name-defined]
+    """A worker's parent_process(): same name, pid and sentinel as multiprocessing's;
+    is_alive() and join() ask `owner` whether main lives (its `sentinel` still reads
+    as closed: nothing holds the other end)."""
+
+    def __init__(self, name, pid, sentinel, owner) -> None:
+        super().__init__(name, pid, sentinel)
+        self._owner = owner
+
+    def is_alive(self) -> bool:
+        return self._owner.is_alive()
+
+    def join(self, timeout=None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._owner.is_alive():
+            pause = 0.01
+            if deadline is not None:
+                pause = min(pause, deadline - time.monotonic())
+                if pause <= 0:
+                    return
+            time.sleep(pause)
+
+
+def parent_process_through(owner) -> None:
+    """In a worker: `multiprocessing.parent_process()` answers `is_alive()` and `join()`
+    through `owner` (whose `is_alive()` says whether main lives: the pool's owner
+    probe). Under forkserver too (main keeps those pipes there, and the probe gives the
+    same answer)."""
+    parent = multiprocessing.process._parent_process  # type: ignore[attr-defined]
+    if parent is None or isinstance(parent, _ParentThroughOwner):
+        return
+    multiprocessing.process._parent_process = _ParentThroughOwner(  # type: ignore[attr-defined]
+        parent.name, parent.pid, parent._sentinel, owner)
