@@ -313,7 +313,9 @@ def corrupt_live_loader(mode):
     for _ in range(3):
         next(it)
     prefix, workers = it._pool.prefix, list(it._workers)
-    time.sleep(0.5)  # the workers answer the outstanding requests and wait for more
+    # the workers answer the outstanding requests and wait for more
+    if not _wait_until(lambda live=it: live.prefetched[0] == live.prefetched[1], 20.0):
+        sys.exit(f"the workers did not answer their requests in 20 s: {it.prefetched}")
     writer = multiprocessing.get_context("fork").Process(target=_overwrite_control,
                                                          args=(prefix, mode))
     writer.start()

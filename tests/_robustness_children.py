@@ -459,6 +459,8 @@ def signalled(mode: str) -> None:
     for k, _batch in enumerate(it):
         if k == 5:
             print("READY", it.shm_prefix, *it.worker_pids, flush=True)
+        elif k == 25:
+            print("FLOWING", flush=True)  # batches keep coming after READY
     sys.exit("the epoch ended before any signal came")
 
 

@@ -113,6 +113,28 @@ def wait_until(predicate, timeout: float) -> bool:
     return True
 
 
+def wait_in_futex(pid: int, tid: int | None = None, timeout: float = 10.0) -> bool:
+    """Until thread `tid` of process `pid` (its main thread by default) sleeps in the
+    kernel in a futex wait: a blocked ring or doorbell call (a process-shared semaphore).
+    The thread must be seen there on two looks 20 ms apart, with this thread asleep in
+    between, so a thread of this process that was only waiting for the GIL has had it
+    and moved on. False if that did not happen within `timeout` s."""
+    wchan = f"/proc/{pid}/task/{tid if tid is not None else pid}/wchan"
+    deadline = time.monotonic() + timeout
+    seen = 0
+    while time.monotonic() < deadline:
+        try:
+            with open(wchan) as f:
+                waiting = f.read().startswith("futex")
+        except OSError:
+            return False
+        seen = seen + 1 if waiting else 0
+        if seen >= 2:
+            return True
+        time.sleep(0.02)
+    return False
+
+
 def communicate_within(proc: subprocess.Popen, timeout: float, what: str) -> tuple:
     """(stdout, stderr) of `proc` once it exits; past `timeout` s it is killed and an
     AssertionError carries `what` and the tail of what it printed."""

@@ -9,6 +9,7 @@ import gc
 import io
 import os
 import pickle
+import select
 import signal
 import time
 import types
@@ -140,12 +141,17 @@ def test_a_field_sent_to_another_process_is_that_tensor():
 def _fork_and_check(held, expected, then):
     """Fork a child that reads `held` after `then()` ran in the parent; its verdict."""
     r, w = os.pipe()
+    go_r, go_w = os.pipe()  # the parent writes one byte once `then()` ran
     pid = os.fork()
-    if pid == 0:  # child: let the parent reuse what it can, then read
+    if pid == 0:  # child: wait until the parent reused what it could, then read
         os.close(r)
+        os.close(go_w)
         verdict = b"bad"
         try:
-            time.sleep(0.5)
+            ready, _, _ = select.select([go_r], [], [], 60)
+            if not ready or os.read(go_r, 1) != b"g":
+                verdict = b"parent never said go"
+                raise RuntimeError(verdict)
             # numpy: torch's thread pool is not usable in a child forked from a threaded parent
             if all((h[0].numpy() == e.numpy()).all() for h, e in zip(held, expected)):
                 verdict = b"ok"
@@ -153,8 +159,10 @@ def _fork_and_check(held, expected, then):
             os.write(w, verdict)
             os._exit(0)
     os.close(w)
+    os.close(go_r)
     try:
         then()
+        os.write(go_w, b"g")
         deadline = time.monotonic() + 60
         while True:
             done, status = os.waitpid(pid, os.WNOHANG)
@@ -166,6 +174,7 @@ def _fork_and_check(held, expected, then):
         return os.read(r, 16)
     finally:
         os.close(r)
+        os.close(go_w)
         try:
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)

@@ -237,7 +237,11 @@ def test_signal_to_main_mid_epoch_exits_and_cleans_up(mode):
         assert ready and ready[0].startswith("READY"), f"child not ready: {ready} {child.poll()}"
         _, prefix, *pids = ready[0].split()
         pids = [int(p) for p in pids]
-        time.sleep(0.3)  # mid-epoch: batches keep flowing meanwhile
+        flowing = []  # mid-epoch: batches keep flowing after READY
+        reader = threading.Thread(target=lambda: flowing.append(child.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(60)
+        assert flowing and flowing[0].startswith("FLOWING"), f"batches stopped: {flowing} {child.poll()}"
         assert child.poll() is None
         t0 = time.monotonic()
         if group:
