@@ -7,6 +7,8 @@ child inherits the mapping, so the name can go before the fork; a spawned child
 maps it by name, so the name goes after the child says it is attached). The
 conftest fixture fails any test that leaves the name behind.
 """
+from __future__ import annotations
+
 import contextlib
 import os
 import signal
