@@ -218,12 +218,16 @@ def hooks_ab(rounds: int, batches: int, sleep_s: float) -> dict:
 def baseline_tree(rev: str, where: str) -> str:
     tree = os.path.join(where, "baseline")
     subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", "-q", tree, rev], check=True)
-    same = subprocess.run(["git", "-C", ROOT, "diff", "--quiet", rev, "--", "poolloader/_ring.pyx",
-                           "poolloader/_shm.pyx", "csrc", "setup.py"]).returncode == 0
-    built = [f for f in os.listdir(os.path.join(ROOT, "poolloader")) if f.endswith(".so")]
+    # the compiled modules live in poolloader/shm/; a revision from before that layout
+    # (or with other sources) is built in its own tree
+    same = subprocess.run(["git", "-C", ROOT, "diff", "--quiet", rev, "--", "poolloader/shm/_ring.pyx",
+                           "poolloader/shm/_shm.pyx", "csrc", "setup.py"]).returncode == 0
+    same = same and os.path.isdir(os.path.join(tree, "poolloader", "shm"))
+    built = [f for f in os.listdir(os.path.join(ROOT, "poolloader", "shm")) if f.endswith(".so")]
     if same and built:
         for f in built:
-            shutil.copy2(os.path.join(ROOT, "poolloader", f), os.path.join(tree, "poolloader", f))
+            shutil.copy2(os.path.join(ROOT, "poolloader", "shm", f),
+                         os.path.join(tree, "poolloader", "shm", f))
     else:
         subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace", "-q"], cwd=tree,
                        check=True, capture_output=True)

@@ -1,11 +1,11 @@
 /*
  * poolloader ring: a bounded single-producer / single-consumer queue of int64
- * values that lives in a caller-given shared buffer (a POSIX shared-memory
+ * values that lives in a caller-given shared buffer (a shared-memory
  * mapping), usable by two processes (fork, spawn or forkserver).
  *
- * No Python.h here: Cython declares these with `cdef extern` (poolloader/_ring.pyx).
+ * No Python.h here: Cython declares these with `cdef extern` (poolloader/shm/_ring.pyx).
  *
- * Buffer layout, keep in sync with RING_HEADER_BYTES in poolloader/_ring.pyx.
+ * Buffer layout, keep in sync with RING_HEADER_BYTES in poolloader/shm/_ring.pyx.
  * Every field sits on its own 64-byte cache line so producer and consumer never
  * write the same line:
  *
@@ -58,7 +58,7 @@
  * never turns a bounded wait into an unbounded one. The build picks the path from the
  * C library's version; defining PL_FORCE_SEM_TIMEDWAIT (setup.py does when
  * POOLLOADER_FORCE_SEM_TIMEDWAIT=1) picks the fallback anywhere. PL_TIMED_WAIT names
- * the path compiled (poolloader._ring.TIMED_WAIT).
+ * the path compiled (poolloader.shm._ring.TIMED_WAIT).
  */
 #if !defined(PL_FORCE_SEM_TIMEDWAIT) && defined(__GLIBC__) \
     && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 30))

@@ -1,4 +1,4 @@
-"""A deterministic CPU stand-in for the CUDA surface poolloader uses (poolloader.cuda.gate.CudaRuntime).
+"""A deterministic CPU stand-in for the CUDA surface poolloader uses (poolloader.cuda.runtime.CudaRuntime).
 
 The one test double this project allows: these machines have no GPU. It models
 what the gate's correctness depends on, and nothing else:
@@ -76,7 +76,7 @@ def _mapped(start: int, end: int) -> bool:
 
 
 class SimCuda:
-    """poolloader.cuda.gate.CudaRuntime on the CPU; see the module docstring."""
+    """poolloader.cuda.runtime.CudaRuntime on the CPU; see the module docstring."""
 
     def __init__(self, devices: int = 1, alarm_fd: int | None = None):
         self.num_devices = devices

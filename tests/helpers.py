@@ -115,23 +115,31 @@ def wait_until(predicate, timeout: float) -> bool:
     return True
 
 
-def wait_in_futex(pid: int, tid: int | None = None, timeout: float = 10.0) -> bool:
+def wait_in_futex(pid: int, tid: int | None = None, timeout: float = 10.0,
+                  within: tuple[int, int] | None = None) -> bool:
     """Until thread `tid` of process `pid` (its main thread by default) sleeps in the
     kernel in a futex wait: a blocked ring or doorbell call (a process-shared semaphore).
-    The thread must be seen there on two looks 20 ms apart, with this thread asleep in
-    between, so a thread of this process that was only waiting for the GIL has had it
-    and moved on. False if that did not happen within `timeout` s."""
-    wchan = f"/proc/{pid}/task/{tid if tid is not None else pid}/wchan"
+
+    `within` (start, end): the futex word must lie in that address range (a ring's
+    memory), which tells a thread of this process blocked in the ring from one waiting
+    for the GIL. Without it (another process, single-threaded: nothing else waits
+    there) the thread must be seen waiting on two looks 20 ms apart. False if that
+    did not happen within `timeout` s."""
+    task = f"/proc/{pid}/task/{tid if tid is not None else pid}"
     deadline = time.monotonic() + timeout
     seen = 0
     while time.monotonic() < deadline:
         try:
-            with open(wchan) as f:
+            with open(f"{task}/wchan") as f:
                 waiting = f.read().startswith("futex")
+            if waiting and within is not None:
+                with open(f"{task}/syscall") as f:
+                    fields = f.read().split()  # "nr arg1 ... sp pc", or "running"
+                waiting = len(fields) > 1 and within[0] <= int(fields[1], 16) < within[1]
         except OSError:
             return False
         seen = seen + 1 if waiting else 0
-        if seen >= 2:
+        if seen >= (1 if within is not None else 2):
             return True
         time.sleep(0.02)
     return False

@@ -1,4 +1,4 @@
-"""Types of the compiled ring module (poolloader/_ring.pyx over csrc/ring.h)."""
+"""Types of the compiled ring module (poolloader/shm/_ring.pyx over csrc/ring.h)."""
 from typing import Any
 
 from typing_extensions import Self, disjoint_base

@@ -1,4 +1,4 @@
-"""Types of the compiled mapping module (poolloader/_shm.pyx)."""
+"""Types of the compiled mapping module (poolloader/shm/_shm.pyx)."""
 from typing import Any, Callable
 
 from typing_extensions import Self, disjoint_base
