@@ -62,24 +62,30 @@ def test_timeout_error_names_the_worker_its_samples_and_the_blocking_line(method
     assert rest == list(range(12, 30, 3))
 
 
-def test_stall_in_worker_init_fn_is_shown_before_any_batch():
-    ctx = multiprocessing.get_context("fork")
-    gate = ctx.Event()
-    loader = PoolLoader(dd.BlockOnSample({}, n=12), batch_size=3, num_workers=2, timeout=3,
-                        worker_init_fn=dd.BlockingInit(gate), multiprocessing_context=ctx)
+def _timeout_report(loader, gate, consume):
+    """`consume(iter(loader))` must time out (timeout=3) while worker 0 blocks on `gate`;
+    returns (the RuntimeError's message, worker 0's pid). The gate is opened after."""
     it = iter(loader)
     try:
         with pytest.raises(RuntimeError) as info:
-            next(it)
+            consume(it)
         pid = it.worker_pids[0]
     finally:
         gate.set()
     message = str(info.value)
     assert message.splitlines()[0] == "DataLoader timed out after 3 seconds"
+    return message, pid
+
+
+def test_stall_in_worker_init_fn_is_shown_before_any_batch():
+    ctx = multiprocessing.get_context("fork")
+    gate = ctx.Event()
+    loader = PoolLoader(dd.BlockOnSample({}, n=12), batch_size=3, num_workers=2, timeout=3,
+                        worker_init_fn=dd.BlockingInit(gate), multiprocessing_context=ctx)
+    message, pid = _timeout_report(loader, gate, next)
     assert f"worker 0 (pid {pid}): not on any batch yet" in message, message
     assert "samples [0, 1, 2]" in message
     assert blocking_frame("the blocking line of the init", "__call__") in message, message
-    del it
 
 
 def test_iterable_dataset_stall_names_the_worker_and_the_line():
@@ -87,20 +93,10 @@ def test_iterable_dataset_stall_names_the_worker_and_the_line():
     gate = ctx.Event()
     loader = PoolLoader(dd.BlockingStream(gate), batch_size=2, num_workers=2, timeout=3,
                         multiprocessing_context=ctx)
-    it = iter(loader)
-    try:
-        with pytest.raises(RuntimeError) as info:
-            for _ in it:
-                pass
-        pid = it.worker_pids[0]
-    finally:
-        gate.set()
-    message = str(info.value)
-    assert message.splitlines()[0] == "DataLoader timed out after 3 seconds"
+    message, pid = _timeout_report(loader, gate, list)
     assert f"worker 0 (pid {pid}): on batch " in message, message
     assert "(an IterableDataset batch: no sample indices)" in message
     assert blocking_frame("the blocking line of the stream", "__iter__") in message, message
-    del it
 
 
 def test_without_timeout_a_stall_warns_once_per_stall_and_the_epoch_completes():

@@ -27,7 +27,7 @@ tmpfs sees it, whatever its PID namespace, because it lives on the inode.
   name last, while holding it. Names whose control segment is absent are left
   alone: a pool made here creates its control name first and removes it last,
   so nothing says whose such names are (an older poolloader's, say).
-* OwnerProbe, the workers' parent-death check, asks the kernel whether the lock
+* The workers' parent-death check (`owner_alive`) asks the kernel whether the lock
   is still held (F_OFD_GETLK) on the worker's own descriptor of the same inode:
   exact under fork, spawn and forkserver (a dead forkserver says nothing about
   main), and pid reuse cannot fool it.
@@ -136,21 +136,6 @@ def owner_lock_held(fd: int) -> bool:
 
 class _NameLost(Exception):
     """A sweeper took a new control segment's name before its owner could lock it."""
-
-
-class OwnerProbe:
-    """Worker side: whether the owner of a pool still lives.
-
-    Keeps the worker's own descriptor of the pool's control segment, which the
-    caller hands over (one per worker); is_alive() is one fcntl asking whether main's
-    owner lock is still held (see the module docstring).
-    """
-
-    def __init__(self, fd: int):
-        self._fd: int | None = fd
-
-    def is_alive(self) -> bool:
-        return self._fd is not None and owner_lock_held(self._fd)
 
 
 def pool_names(prefix: str) -> list[str]:
@@ -393,10 +378,10 @@ class PosixAttachment:
         except BaseException:
             shm.close_fd()
             raise
-        self._probe = OwnerProbe(shm.fd)
+        self._lock_fd = shm.fd  # this worker's own descriptor of the control segment
 
     def owner_alive(self) -> bool:
-        return self._probe.is_alive()
+        return owner_lock_held(self._lock_fd)
 
     def open_slot(self, slot: int, generation: int, size: int, a: int, b: int) -> Mapping | None:
         """Map that generation of a slot; None if main replaced it meanwhile."""
