@@ -152,9 +152,13 @@ def _storage_uses(t: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
+_STRIDED = torch.strided
+
+
 def _plain_tensor(t: torch.Tensor) -> bool:
-    return not (t.is_nested or t.layout != torch.strided or t.device.type != "cpu"
-                or t.requires_grad or t.is_conj() or t.is_neg())
+    # one call per tensor of the batch: attribute reads only (t.device builds an object)
+    return (t.layout is _STRIDED and t.is_cpu and not t.is_nested
+            and not (t.requires_grad or t.is_conj() or t.is_neg()))
 
 
 class _SkeletonPickler(pickle.Pickler):
@@ -193,7 +197,7 @@ class _SkeletonPickler(pickle.Pickler):
         if pid is not None:
             return pid
         shape, stride = tuple(t.shape), t.stride()
-        count = span_elements(shape, stride)
+        count = t.numel() if t.is_contiguous() else span_elements(shape, stride)
         nbytes = count * ITEMSIZE[code]
         small = self._small(nbytes)
         if small is not None:
