@@ -32,6 +32,9 @@ None when matplotlib is not installed).
 `live_children`, `session_pids`, `pids_running`) and hygiene (`note_workers`,
 `our_shm_names`, `wait_clean`): one reader of the process table for all benches.
 
+Baselines: `baseline_tree` / `remove_baseline_tree` (a git revision of this
+repository in a worktree, importable by a child process).
+
 Loaders: `measure_loader` (warm-up batches, then timed `next()` + `del` per
 batch: wall time, the main thread's CPU time, the CPU time of the main process
 and of the workers over the timed window, throughput), `shutdown_iterator`.
@@ -55,7 +58,9 @@ import multiprocessing
 import os
 import platform
 import random
+import shutil
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -662,6 +667,39 @@ def wait_clean(timeout: float = 10.0) -> list[str]:
         if time.monotonic() > deadline:
             return [f"child pid {p}" for p in children] + [f"{SHM_DIR}/{n}" for n in names]
         time.sleep(0.05)
+
+
+# ---------------------------------------------------------------------------
+# another revision of this repository, side by side
+
+def baseline_tree(rev: str, where: str) -> str:
+    """A worktree of git revision `rev` at `where`/baseline, importable: its compiled
+    modules are copied from this tree when their sources are the same, else built there.
+    Children started with PYTHONPATH=<tree> import its poolloader (this module puts the
+    repository first on sys.path: a child must import it before moving <tree> in front).
+    Remove it with `remove_baseline_tree(where)`."""
+    tree = os.path.join(where, "baseline")
+    subprocess.run(["git", "-C", REPO, "worktree", "add", "--detach", "-q", tree, rev], check=True)
+    # the compiled modules live in poolloader/shm/; a revision from before that layout
+    # (or with other sources) is built in its own tree
+    same = subprocess.run(["git", "-C", REPO, "diff", "--quiet", rev, "--", "poolloader/shm/_ring.pyx",
+                           "poolloader/shm/_shm.pyx", "csrc", "setup.py"]).returncode == 0
+    same = same and os.path.isdir(os.path.join(tree, "poolloader", "shm"))
+    built = [f for f in os.listdir(os.path.join(REPO, "poolloader", "shm")) if f.endswith(".so")]
+    if same and built:
+        for f in built:
+            shutil.copy2(os.path.join(REPO, "poolloader", "shm", f),
+                         os.path.join(tree, "poolloader", "shm", f))
+    else:
+        subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace", "-q"], cwd=tree,
+                       check=True, capture_output=True)
+    return tree
+
+
+def remove_baseline_tree(where: str) -> None:
+    subprocess.run(["git", "-C", REPO, "worktree", "remove", "--force", os.path.join(where, "baseline")],
+                   capture_output=True)
+    shutil.rmtree(where, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------

@@ -13,9 +13,10 @@ its own session, so a crash, a hang or a leak in one cannot touch the next):
   ring      bench/ring.py      ring vs multiprocessing Pipe/Queue
   shards    bench/shards.py    sharded / WebDataset-style data
 
-Two benchmarks on the same runner are left out, to be run by hand:
-bench/gpu.py needs CUDA (it exits 2 without it), and bench/state.py compares this
-tree with a git revision (`--baseline`).
+Three benchmarks on the same runner are left out, to be run by hand:
+bench/gpu.py needs CUDA (it exits 2 without it); bench/state.py and
+bench/throughput.py compare this tree with a git revision (`--baseline`), which
+a shallow clone may lack.
 
 Each benchmark's own docstring states its method; all run DataLoader and
 PoolLoader side by side in the same process run. Every one parses its command

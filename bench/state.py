@@ -47,7 +47,6 @@ import io
 import json
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import sys
@@ -213,25 +212,6 @@ def hooks_ab(rounds: int, batches: int, sleep_s: float) -> dict:
             out[arm]["wall"].append(wall)
             out[arm]["cpu"].append(cpu)
     return out
-
-
-def baseline_tree(rev: str, where: str) -> str:
-    tree = os.path.join(where, "baseline")
-    subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", "-q", tree, rev], check=True)
-    # the compiled modules live in poolloader/shm/; a revision from before that layout
-    # (or with other sources) is built in its own tree
-    same = subprocess.run(["git", "-C", ROOT, "diff", "--quiet", rev, "--", "poolloader/shm/_ring.pyx",
-                           "poolloader/shm/_shm.pyx", "csrc", "setup.py"]).returncode == 0
-    same = same and os.path.isdir(os.path.join(tree, "poolloader", "shm"))
-    built = [f for f in os.listdir(os.path.join(ROOT, "poolloader", "shm")) if f.endswith(".so")]
-    if same and built:
-        for f in built:
-            shutil.copy2(os.path.join(ROOT, "poolloader", "shm", f),
-                         os.path.join(tree, "poolloader", "shm", f))
-    else:
-        subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace", "-q"], cwd=tree,
-                       check=True, capture_output=True)
-    return tree
 
 
 def run_per_batch(tree: str, batches: int, sleep_s: float) -> float:
@@ -406,7 +386,7 @@ def main() -> None:
     if args.baseline:
         tmp = tempfile.mkdtemp(prefix="plstate-")
         try:
-            base = baseline_tree(args.baseline, tmp)
+            base = common.baseline_tree(args.baseline, tmp)
             trees = {"baseline": base, "this tree": ROOT}
             results = {name: {"wall": [], "cpu": []} for name in trees}
             for r in range(2 * args.rounds):
@@ -431,9 +411,7 @@ def main() -> None:
             say(f"\nDifference of medians: wall {diff['wall']:+.1f} µs, CPU {diff['cpu']:+.1f} µs "
                   "per batch.\n")
         finally:
-            subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force",
-                            os.path.join(tmp, "baseline")], capture_output=True)
-            shutil.rmtree(tmp, ignore_errors=True)
+            common.remove_baseline_tree(tmp)
 
     # 3
     cap = measure_capture(args.rounds * 4)
