@@ -33,7 +33,8 @@ compare the ratios inside one run, not against a figure from another day.
 
 Usage:
     python bench/throughput.py [--quick] [--workers 2,4] [--rows packed,per_sample]
-                               [--seconds 4] [--baseline REV] [--out DIR]
+                               [--seconds 4] [--resolution 576] [--baseline REV]
+                               [--out DIR]
 """
 from __future__ import annotations
 
@@ -71,7 +72,8 @@ def child(spec: dict) -> None:
         raise SystemExit(f"imported poolloader from {where}, not from {tree}")
     arm, row, workers = spec["arm"], spec["row"], spec["workers"]
     pool = arm != "dl"
-    dataset = common.RFDETRShaped(common.BATCH * 1_000_000)  # lazy: items are built on demand
+    # lazy: an item is built when asked for
+    dataset = common.RFDETRShaped(common.BATCH * 1_000_000, resolution=spec["resolution"])
     kwargs = dict(batch_size=common.BATCH, num_workers=workers,
                   collate_fn=common.RFDETRCollate(row, pool))
     if arm == "nostate":
@@ -149,6 +151,9 @@ def main(argv=None) -> int:
     p.add_argument("--workers", default=None, help='comma-separated (default "2,4"; quick "2")')
     p.add_argument("--rows", default="packed,per_sample", help="rows of bench/handoff.py")
     p.add_argument("--seconds", type=float, default=None, help="timed seconds per arm (4; quick 1.5)")
+    p.add_argument("--resolution", type=int, default=common.RESOLUTION,
+                   help=f"image side (default {common.RESOLUTION}); a small one (32) leaves the "
+                        "workers' per-batch Python work, not the stack, in the CPU columns")
     p.add_argument("--min-batches", type=int, default=20, help="timed batches per arm at least")
     p.add_argument("--baseline", default=DEFAULT_BASELINE,
                    help=f"git revision for the 'base' arm (default {DEFAULT_BASELINE}; '' to leave it out)")
@@ -181,7 +186,8 @@ def main(argv=None) -> int:
 
         def measure(cell, arm, rep):
             spec = {"arm": arm, "workers": cell[0], "row": cell[1], "tree": trees[arm],
-                    "seconds": cfg.seconds, "min_batches": cfg.min_batches}
+                    "seconds": cfg.seconds, "min_batches": cfg.min_batches,
+                    "resolution": cfg.resolution}
             return run_child(spec, cfg.timeout)
 
         raw = common.interleave(cells, cfg.arms, measure, reps=cfg.reps, warmup_reps=cfg.warmup_reps,
@@ -189,7 +195,7 @@ def main(argv=None) -> int:
     finally:
         common.remove_baseline_tree(tmp)
     head = (f"## batches/s with cached samples (bench/throughput.py{' --quick' if cfg.quick else ''})\n\n"
-            f"batch {common.BATCH}, {common.RESOLUTION}×{common.RESOLUTION}, RF-DETR shape, "
+            f"batch {common.BATCH}, {cfg.resolution}×{cfg.resolution}, RF-DETR shape, "
             f"next()+del only; {cfg.reps} reps × ≥{cfg.seconds:g} s per arm, each arm a fresh "
             f"process; this tree {here or '?'}"
             + (f", baseline {cfg.baseline} ({rev})" if cfg.baseline else "")
