@@ -691,12 +691,18 @@ def baseline_tree(rev: str, where: str) -> str:
             shutil.copy2(os.path.join(REPO, "poolloader", "shm", f),
                          os.path.join(tree, "poolloader", "shm", f))
     else:
-        subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace", "-q"], cwd=tree,
-                       check=True, capture_output=True)
+        built = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace", "-q"], cwd=tree,
+                               capture_output=True, text=True)
+        if built.returncode:
+            tail = "\n".join((built.stderr or built.stdout).strip().splitlines()[-15:])
+            raise RuntimeError(f"building the compiled modules of {rev} in {tree} failed "
+                               f"(setup.py build_ext --inplace, exit {built.returncode}):\n{tail}")
     return tree
 
 
 def remove_baseline_tree(where: str) -> None:
+    """Undo `baseline_tree(rev, where)`: unregister the worktree and delete all of
+    `where`; failures are ignored (a run that failed half-way still cleans up)."""
     subprocess.run(["git", "-C", REPO, "worktree", "remove", "--force", os.path.join(where, "baseline")],
                    capture_output=True)
     shutil.rmtree(where, ignore_errors=True)

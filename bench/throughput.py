@@ -12,9 +12,9 @@ Arms (same data, same collate: `common.RFDETRCollate`, rows `packed` and
   dl       DataLoader (file_descriptor sharing, torch's default on Linux)
   pool     PoolLoader, this tree
   nostate  PoolLoader, this tree, stateful=False (no resume capture in workers)
-  base     PoolLoader at `--baseline` (default 383d9e4, the last revision before
-           ownership and exact resume), in a worktree built for it
-           (`common.baseline_tree`); `--baseline ''` leaves it out
+  base     PoolLoader at `--baseline` (default 383d9e4: the code before ownership and
+           exact resume, the first parent of e8f5bc9 "Ownership: ..."), in a worktree
+           built for it (`common.baseline_tree`); `--baseline ''` leaves it out
 
 Method, per cell (workers x row), per repetition: every arm runs in its own
 fresh interpreter (so the baseline imports its own tree; the child checks which
@@ -22,9 +22,12 @@ poolloader it imported), one after the other, the order rotated per repetition
 and cell (`common.interleave`). In the child: build the loader (fork workers),
 draw and drop `workers x 2 + 4` batches (worker start, the slots' growth), then
 time `next(); del` until `--seconds` have passed and at least `--min-batches`
-were drawn. Reported per arm: batches/s over the timed window, the workers' and
-the main process's CPU ms per batch (/proc schedstat); ratios are per repetition
-between arms that ran seconds apart (paired), then median [min–max].
+were drawn. After shutting the loader down, the child waits (at most 10 s) for
+its workers to exit and for the /dev/shm names that appeared during the arm with
+its pid or a worker's in them to go; an arm that leaves either counts as failed.
+Reported per arm: batches/s over the timed window, the workers' and the main
+process's CPU ms per batch (/proc schedstat); ratios are per repetition between
+arms that ran seconds apart (paired), then median [min–max].
 
 On a 2-core machine the workers of this bench are memory-bound (the stack
 into the slot is most of their time: see docs/benchmarks.md "Stage by stage")
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -78,6 +82,7 @@ def child(spec: dict) -> None:
                   collate_fn=common.RFDETRCollate(row, pool))
     if arm == "nostate":
         kwargs["stateful"] = False
+    names0 = common.shm_names()
     loader = (poolloader.PoolLoader if pool else DataLoader)(dataset, **kwargs)
     it = iter(loader)
     try:
@@ -98,22 +103,51 @@ def child(spec: dict) -> None:
     finally:
         common.shutdown_iterator(it)
         del it
+    # what this arm left: children still alive, and /dev/shm names that appeared during
+    # it carrying its pid or a worker's (poolloader's POSIX names and torch's both do;
+    # found by token, so the check imports nothing of either tree); bounded wait
+    ours = {str(os.getpid())} | {str(p) for p in pids}
+    deadline = time.monotonic() + 10.0
+    while True:
+        children = common.live_children()
+        names = sorted(x for x in common.shm_names() - names0
+                       if ours & set(x.replace("_", "-").split("-")))
+        if (not children and not names) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     print(json.dumps({"batch_s": n / wall, "batches": n, "worker_cpu_ms": workers_ns / 1e6 / n,
-                      "main_cpu_ms": main_ns / 1e6 / n}))
+                      "main_cpu_ms": main_ns / 1e6 / n,
+                      "left": [f"child pid {c}" for c in children] + [f"/dev/shm/{x}" for x in names]}))
 
 
 def run_child(spec: dict, timeout: float) -> dict:
+    """Run one arm in a fresh interpreter in its own session; past `timeout`, the whole
+    session (the arm and its workers) is killed, so nothing runs into the next arm."""
     import common
     env = dict(os.environ, PYTHONPATH=spec["tree"])
+    proc = subprocess.Popen([sys.executable, HERE, "--child", json.dumps(spec)], cwd=spec["tree"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
-        out = subprocess.run([sys.executable, HERE, "--child", json.dumps(spec)], cwd=spec["tree"],
-                             env=env, capture_output=True, text=True, timeout=timeout)
+        stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        raise common.BenchError(f"arm {spec['arm']} ran past {timeout:.0f} s") from None
-    if out.returncode:
-        raise common.BenchError(f"arm {spec['arm']} exited {out.returncode}: "
-                                f"{(out.stderr.strip().splitlines() or [''])[-1]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+        for pid in common.session_pids(proc.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        _, stderr = proc.communicate(timeout=30)
+        tail = " | ".join(stderr.strip().splitlines()[-3:])
+        raise common.BenchError(f"arm {spec['arm']} ran past {timeout:.0f} s (killed); "
+                                f"its stderr ended: {tail or '(nothing)'}") from None
+    if proc.returncode:
+        raise common.BenchError(f"arm {spec['arm']} exited {proc.returncode}: "
+                                f"{(stderr.strip().splitlines() or [''])[-1]}")
+    result = json.loads(stdout.strip().splitlines()[-1])
+    left = result.pop("left")
+    if left:
+        raise common.BenchError(f"arm {spec['arm']} left behind: {', '.join(left)}")
+    return result
 
 
 def table(raw, cfg) -> str:

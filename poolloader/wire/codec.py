@@ -156,7 +156,7 @@ _STRIDED = torch.strided
 
 
 def _plain_tensor(t: torch.Tensor) -> bool:
-    # one call per tensor of the batch: attribute reads only (t.device builds an object)
+    # one call per tensor of the batch: no t.device (it builds an object each time)
     return (t.layout is _STRIDED and t.is_cpu and not t.is_nested
             and not (t.requires_grad or t.is_conj() or t.is_neg()))
 
