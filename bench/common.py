@@ -691,12 +691,12 @@ def baseline_tree(rev: str, where: str) -> str:
             shutil.copy2(os.path.join(REPO, "poolloader", "shm", f),
                          os.path.join(tree, "poolloader", "shm", f))
     else:
-        built = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace", "-q"], cwd=tree,
+        build = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace", "-q"], cwd=tree,
                                capture_output=True, text=True)
-        if built.returncode:
-            tail = "\n".join((built.stderr or built.stdout).strip().splitlines()[-15:])
+        if build.returncode:
+            tail = "\n".join((build.stderr or build.stdout).strip().splitlines()[-15:])
             raise RuntimeError(f"building the compiled modules of {rev} in {tree} failed "
-                               f"(setup.py build_ext --inplace, exit {built.returncode}):\n{tail}")
+                               f"(setup.py build_ext --inplace, exit {build.returncode}):\n{tail}")
     return tree
 
 
