@@ -38,19 +38,30 @@ _FORBIDDEN_EVENTS = (
 
 class _Guard:
     """Audit hook, armed only around decode(): counts the globals pickle resolves
-    (`pickle.find_class`) and the modules imported, and refuses side effects."""
+    (`pickle.find_class`) and the modules imported, and refuses side effects.
+
+    `arm()` starts one decode's record: `resolved` (did pickle resolve any global)
+    and `blocked` (the side effects refused) are that decode's alone, so a finding
+    is blamed on the input that caused it, never on the examples after it."""
 
     def __init__(self):
         self.armed = False
         self.globals = collections.Counter()
         self.imports = collections.Counter()
         self.blocked = []
+        self.resolved = 0
+
+    def arm(self):
+        self.blocked = []
+        self.resolved = 0
+        self.armed = True
 
     def __call__(self, event, args):
         if not self.armed:
             return
         if event == "pickle.find_class":
             self.globals[f"{args[0]}.{args[1]}"] += 1
+            self.resolved += 1
             return
         if event == "import":
             self.imports[args[0]] += 1
@@ -156,36 +167,21 @@ def _fuzz_batches():
             ("augment", augment, True), ("error", error, False)]
 
 
-def fuzz(examples: str = "400") -> None:
-    """Hypothesis fuzz of slot_format.decode over real encoded batches."""
-    import resource
-    import warnings
+SLOT_BYTES = 1 << 19
 
-    faulthandler.enable()
-    warnings.simplefilter("ignore")
-    examples = int(examples)
 
-    import io
-    import pickle
-    import zlib
-
-    import numpy as np
+def _encoded_slots() -> dict:
+    """{name: (mapping, header view, pristine bytes up to the skeleton's end)}: each of
+    _fuzz_batches() encoded into a slot of its own (names unlinked at once), and
+    checked to decode as it was written."""
     import posix_ipc
-    from hypothesis import HealthCheck, given, settings
-    from hypothesis import strategies as st
 
     from poolloader import collate as slot_collate_mod
-    from poolloader.errors import SlotCorrupt
     from poolloader.shm._shm import Mapping
     from poolloader.wire import codec
     from poolloader.wire import slot_format as fmt
 
-    # A corrupt length must fail fast (MemoryError -> SlotCorrupt), not push the
-    # machine into swap: cap the address space at what we use now plus 4 GiB.
-    vm = proc.vm_size_bytes()
-    resource.setrlimit(resource.RLIMIT_AS, (vm + (4 << 30), resource.RLIM_INFINITY))
-
-    slot_bytes = 1 << 19
+    slot_bytes = SLOT_BYTES
     slots = {}
     for name, batch, via_collate in _fuzz_batches():
         shm_name = f"/pltest-{os.getpid()}-fuzz-{name}"
@@ -215,6 +211,38 @@ def fuzz(examples: str = "400") -> None:
         assert (lease is None) == (in_slot == 0), name
         del payload, lease
         slots[name] = (mapping, header, pristine)
+
+    return slots
+
+
+def fuzz(examples: str = "400") -> None:
+    """Hypothesis fuzz of slot_format.decode over real encoded batches."""
+    import resource
+    import warnings
+
+    faulthandler.enable()
+    warnings.simplefilter("ignore")
+    examples = int(examples)
+
+    import io
+    import pickle
+    import zlib
+
+    import numpy as np
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from poolloader.errors import SlotCorrupt
+    from poolloader.wire import codec
+    from poolloader.wire import slot_format as fmt
+
+    # A corrupt length must fail fast (MemoryError -> SlotCorrupt), not push the
+    # machine into swap: cap the address space at what we use now plus 4 GiB.
+    vm = proc.vm_size_bytes()
+    resource.setrlimit(resource.RLIMIT_AS, (vm + (4 << 30), resource.RLIM_INFINITY))
+
+    slot_bytes = SLOT_BYTES
+    slots = _encoded_slots()
 
     guard = _Guard()
     sys.addaudithook(guard)
@@ -257,11 +285,20 @@ def fuzz(examples: str = "400") -> None:
 
     def attempt(kind, mapping, header, strict=False):
         """decode must raise SlotCorrupt or give views inside the data region;
-        `strict`: must raise SlotCorrupt."""
+        `strict`: must raise SlotCorrupt before pickle resolves anything.
+
+        The trust model (poolloader/wire/codec.py): the CRC is integrity, not
+        authenticity. A skeleton whose checksum was fixed up ("crc fixed up" kinds) is
+        what a worker wrote, and is unpickled as DataLoader unpickles its workers'
+        sends: it may call any global it names. Such a call is refused here by the
+        guard (so the fuzz run stays harmless), which decode reports as SlotCorrupt;
+        it is counted as an outcome, not a finding. Every other kind of corruption
+        (header fields, data bytes, flips under the original checksum) must never
+        reach a side effect."""
         data_end = fmt.DATA_OFF + int(header[fmt.F_DATA_LEN])
         assert not printed, f"before {kind}: {printed}"
         t0 = time.perf_counter()
-        guard.armed = True
+        guard.arm()
         try:
             result = codec.decode(mapping, header)
         except SlotCorrupt:
@@ -274,7 +311,13 @@ def fuzz(examples: str = "400") -> None:
             if took > slowest[0]:
                 slowest[:] = [took, kind]
         # the exception and whatever its frames held are gone by now
+        forged = "(crc fixed up)" in kind
+        if guard.blocked and forged:
+            assert result is None, f"{kind}: decode went on after the guard refused {guard.blocked}"
+            outcomes[kind, "named a side effect (trusted writer; refused by the guard)"] += 1
+            return
         assert not guard.blocked, f"{kind}: decode reached {guard.blocked}"
+        assert not (strict and guard.resolved), f"{kind}: pickle resolved a global of a corrupt skeleton"
         assert not printed, f"{kind}: decode reported {printed}"
         if result is None:
             outcomes[kind, "SlotCorrupt"] += 1
@@ -298,7 +341,8 @@ def fuzz(examples: str = "400") -> None:
         assert not printed, f"{kind}: dropping the payload reported {printed}"
 
     names = st.sampled_from(sorted(slots))
-    common = dict(max_examples=examples, deadline=None, database=None,
+    # derandomize: the same examples on every run and machine (a CI failure reproduces)
+    common = dict(max_examples=examples, deadline=None, database=None, derandomize=True,
                   suppress_health_check=list(HealthCheck))
 
     def interesting(original, size):
@@ -433,6 +477,57 @@ def fuzz(examples: str = "400") -> None:
     print("globals_resolved=" + ",".join(f"{g}:{c}" for g, c in guard.globals.most_common(20)))
     print(f"cpython_bytearray_quirk={cpython_quirks[quirk]}")
     print("imports=" + ",".join(f"{g}:{c}" for g, c in guard.imports.most_common(20)))
+
+
+def forged_skeleton() -> None:
+    """The case the fuzz found (issue 33): the "varied" slot's skeleton with the two
+    bytes before its `torch.sparse_coo` string replaced by `cos\nsystem\n` (a GLOBAL
+    of os.system), which the next REDUCE then calls with that string.
+
+    The trust model it pins (poolloader/wire/codec.py): with the checksum fixed up
+    the forgery is what a worker wrote, and decode unpickles it as DataLoader
+    unpickles its workers' sends, so it reaches os.system (refused here by the
+    guard, which decode reports as SlotCorrupt); under the original checksum, as any
+    stray write leaves it, decode refuses it before pickle resolves a single global."""
+    import warnings
+    import zlib
+
+    from poolloader.errors import SlotCorrupt
+    from poolloader.wire import codec
+    from poolloader.wire import slot_format as fmt
+
+    warnings.simplefilter("ignore")
+    slots = _encoded_slots()
+    mapping, header, pristine = slots["varied"]
+    off, n = int(header[fmt.F_SKELETON_OFF]), int(header[fmt.F_SKELETON_LEN])
+    blob = pristine[off:off + n]
+    at = blob.find(b"\x94\x8c\x10torch.sparse_coo")
+    assert at >= 2, "the varied batch's skeleton no longer names torch.sparse_coo"
+    forged = blob[:at - 2] + b"cos\nsystem\n" + blob[at:]
+    guard = _Guard()
+    sys.addaudithook(guard)
+
+    def decode(crc):
+        memoryview(mapping)[:len(pristine)] = pristine
+        memoryview(mapping)[off:off + len(forged)] = forged
+        header[fmt.F_SKELETON_LEN] = len(forged)
+        header[fmt.F_SKELETON_CRC] = crc
+        guard.arm()
+        try:
+            codec.decode(mapping, header)
+            return "decoded"
+        except SlotCorrupt as e:
+            return f"SlotCorrupt: {e}"
+        finally:
+            guard.armed = False
+
+    stray = decode(int(header[fmt.F_SKELETON_CRC]))
+    print(f"original_crc={stray[:80]}")
+    print(f"original_crc_globals={guard.resolved}")
+    print(f"original_crc_blocked={guard.blocked}")
+    fixed = decode(zlib.crc32(forged))
+    print(f"fixed_crc={fixed[:80]}")
+    print(f"fixed_crc_blocked={guard.blocked}")
 
 
 # ---------------------------------------------------------------------------

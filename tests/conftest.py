@@ -19,11 +19,16 @@ DataLoader run making and leaking torch_<pid>_* segments) also create names whil
 a test runs. A new name is not blamed on the test when
   * it is mapped or held open only by processes outside this process's tree
     (found through /proc/*/maps and /proc/*/fd), or
-  * nobody holds it and its first number is a pid that is neither this process
-    nor a descendant seen during the test (`pltest-<pid>-`, `torch_<pid>_`).
-Everything else is blamed: a name this process or a descendant still holds, or
-an unheld one that names no pid or names ours. (Blind spot: an unheld name that
-carries the pid of a child which has already exited.)
+  * nobody holds it and it names no pid of this process or of a descendant seen
+    during the test: its first number is another pid (`pltest-<pid>-`,
+    `torch_<pid>_`), or it has none (multiprocessing's `sem.mp-<random>`, which
+    another job on the machine makes and may leave behind, or hold from a PID
+    namespace whose processes this one cannot see).
+Only what this test's processes hold or named after themselves is blamed: a name
+this process or a descendant still holds, or an unheld one that carries one of
+their pids. Every name poolloader and the tests make carries its creator's pid.
+(Blind spots: an unheld name that carries the pid of a child which has already
+exited; an unheld name without a pid that this test's processes left.)
 """
 import gc
 import multiprocessing
@@ -69,7 +74,7 @@ def _foreign(names, tree):
                 foreign.add(name)
         else:
             number = _FIRST_NUMBER.search(name)
-            if number and int(number.group(1)) not in tree:
+            if not number or int(number.group(1)) not in tree:
                 foreign.add(name)
     return foreign
 

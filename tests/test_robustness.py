@@ -88,6 +88,22 @@ def test_decoder_fuzz_never_escapes_the_slot():
     assert int(out["outcome forged persistent ids (crc fixed up) -> SlotCorrupt"]) > 0
 
 
+def test_forged_skeleton_is_trusted_only_under_its_own_checksum():
+    """The fuzz's finding, fixed as a case: a skeleton spliced to call os.system.
+    Under the checksum it was written with (what a stray or torn write leaves),
+    decode refuses it before pickle resolves any global. With the checksum fixed up
+    it is a worker's own output, which decode trusts as DataLoader trusts its
+    workers' pickles (the trust model in poolloader/wire/codec.py): the call is
+    reached, and refused only by the child's audit guard."""
+    proc = run_child("forged_skeleton", timeout=120)
+    assert proc.returncode == 0, f"child exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    out = figures(proc.stdout)
+    assert out["original_crc"].startswith("SlotCorrupt: slot skeleton checksum"), out
+    assert out["original_crc_globals"] == "0" and out["original_crc_blocked"] == "[]", out
+    assert out["fixed_crc"].startswith("SlotCorrupt"), out
+    assert "os.system" in out["fixed_crc_blocked"] and "torch.sparse_coo" in out["fixed_crc_blocked"], out
+
+
 @pytest.fixture
 def slot(shm_name_prefix):
     """One 1 MiB slot mapping (its name unlinked at once), a header view and a writer."""

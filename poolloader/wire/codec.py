@@ -25,6 +25,16 @@ crash, a hang or an allocation sized by a corrupt field.
   numbers delivers them, as under DataLoader); what the unpickled skeleton builds
   besides tensors; a worker writing a slot after it returned it (invariant 1 is
   kept by the code on both sides, not by page protection).
+
+So the property decode has, and the tests hold it to: corruption under the
+checksum the writer computed never reaches pickle (no global is resolved); a
+skeleton whose checksum matches is a worker's output and is unpickled whole, any
+global it names included, as DataLoader unpickles its workers' sends. A forged
+skeleton that calls `os.system` reaches it (tests/test_robustness.py,
+test_forged_skeleton_is_trusted_only_under_its_own_checksum); restricting the
+globals would refuse batches DataLoader carries (a pandas frame, a user's own
+reduce function) and protect nothing, since any writer of the slot can already run
+code as the user.
 """
 from __future__ import annotations
 
