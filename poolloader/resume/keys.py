@@ -65,6 +65,8 @@ rather than once at its start, cannot be replayed.
 """
 from __future__ import annotations
 
+import contextlib
+import itertools
 import pickle
 import random
 from array import array
@@ -187,6 +189,51 @@ def set_generators(states, generators) -> None:
             "with the same sampler and generator= as the one that saved it")
     for g, s in zip(generators, states):  # lengths checked above
         g.set_state(s)
+
+
+def position_sampler(index_sampler, sampler_iter, position: int, index_state, iter_state):
+    """A sampler iterator `position` draws into its epoch, for a resume in the main
+    process. A stateful sampler (or iterator) with a saved state loads it, in
+    torchdata's order: the sampler's state, a new iterator, the iterator's state.
+    Any other sampler is drawn `position` times and once more, that first kept
+    draw made here: a sampler seeds itself on its first draw, so the caller runs
+    this under the epoch's starting RNG (`epoch_rng_drawn`)."""
+    if (is_stateful(index_sampler) or is_stateful(sampler_iter)) and (
+            index_state is not None or iter_state is not None):
+        if index_state is not None and is_stateful(index_sampler):
+            index_sampler.load_state_dict(index_state)
+        sampler_iter = iter(index_sampler)
+        if iter_state is not None and is_stateful(sampler_iter):
+            sampler_iter.load_state_dict(iter_state)
+        return sampler_iter
+    drawn = iter(index_sampler)
+    try:
+        for _ in range(position):
+            next(drawn)
+        first = next(drawn)
+    except StopIteration:
+        return iter(())
+    return itertools.chain((first,), drawn)
+
+
+@contextlib.contextmanager
+def epoch_rng_drawn(epoch_rng: dict | None, generators, caller_rng: dict | None,
+                    keep_when_caller_at_start: bool = False):
+    """Run the block with the main RNG and `generators` at `epoch_rng` (an epoch's
+    start, as main_rng() took it; None: as they are), then give the process back
+    `caller_rng` (plain_rng of what the caller had before anything drew; None:
+    leave it). With `keep_when_caller_at_start`, a caller whose torch RNG is the
+    epoch's start itself (a state saved before the first batch, restored by the
+    caller) keeps the RNG where the block's draws left it, as in the saved run."""
+    try:
+        if epoch_rng is not None:
+            set_main_rng(epoch_rng, generators)
+        yield
+    finally:
+        at_start = (keep_when_caller_at_start and epoch_rng is not None and caller_rng is not None
+                    and torch.equal(caller_rng["torch"], epoch_rng["torch"]))
+        if caller_rng is not None and not at_start:
+            set_rng(caller_rng)
 
 
 # ---------------------------------------------------------------------------

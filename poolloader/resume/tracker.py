@@ -11,7 +11,6 @@ them on itself.
 from __future__ import annotations
 
 import collections
-import itertools
 import warnings
 from collections.abc import Iterator
 from typing import NamedTuple
@@ -51,14 +50,14 @@ from poolloader.resume.keys import (
     WORKER_SNAPSHOTS,
     capture_rng,
     decode_record,
+    epoch_rng_drawn,
     is_stateful,
     main_rng,
     plain_rng,
+    position_sampler,
     rng_for_worker,
     sampler_generators,
     set_generators,
-    set_main_rng,
-    set_rng,
     worker_key,
 )
 
@@ -157,41 +156,19 @@ class ResumeTracker:
         plan, self.plan = self.plan, None
         resumed = None
         if plan is not None and not plan.finished:
-            resumed = self._resume(plan)
+            resumed = self._resume(plan, sampler_iter)
             sampler_iter = resumed.sampler_iter
         if self.sampler_stateful:
             self.snapshots.append((self.draws, self._sampler_states(sampler_iter)))
         return resumed
 
-    def _resume(self, plan: ResumePlan) -> Resumed:
+    def _resume(self, plan: ResumePlan, sampler_iter: Iterator) -> Resumed:
         self.epoch_rng = plan.epoch_rng
-        caller_rng = plan_rng = None
-        if plan.epoch_rng is not None:
-            caller_rng = plain_rng(capture_rng())
-            plan_rng = plan.epoch_rng
-            set_main_rng(plan_rng, self.generators)
-        try:
-            if self.sampler_stateful and (plan.index_sampler_state is not None
-                                          or plan.sampler_iter_state is not None):
-                # torchdata's order: the sampler's state, a new iterator, the iterator's state
-                if plan.index_sampler_state is not None and is_stateful(self.index_sampler):
-                    self.index_sampler.load_state_dict(plan.index_sampler_state)
-                sampler_iter = iter(self.index_sampler)
-                if plan.sampler_iter_state is not None and is_stateful(sampler_iter):
-                    sampler_iter.load_state_dict(plan.sampler_iter_state)
-            else:
-                drawn = iter(self.index_sampler)
-                try:
-                    for _ in range(plan.position):
-                        next(drawn)
-                    # a sampler seeds itself on its first draw: make it under the epoch's state
-                    first = next(drawn)
-                    sampler_iter = itertools.chain((first,), drawn)
-                except StopIteration:
-                    sampler_iter = iter(())
-        finally:
-            if caller_rng is not None:
-                set_rng(caller_rng)
+        caller_rng = plain_rng(capture_rng()) if plan.epoch_rng is not None else None
+        with epoch_rng_drawn(plan.epoch_rng, self.generators, caller_rng):
+            sampler_iter = position_sampler(self.index_sampler, sampler_iter,
+                                            plan.position, plan.index_sampler_state,
+                                            plan.sampler_iter_state)
         self.position = self.draws = plan.position
         self.yielded = plan.yielded
         self.last_worker = plan.last_worker
