@@ -86,6 +86,11 @@ stderr is captured so the failure names that cause. Main-side failures
 ("received 0 items of ancdata") raise directly. `--nofile N` sets the soft
 descriptor limit first (1024 reproduces the stock limit of the seed's crash).
 
+The report says where its figures come from (the command, the machine, what each row
+carries and what each figure means), then per worker count a summary table (the
+README's layout) and the detailed tables. `--targets` adds the project's targets
+(docs/benchmarks.md), evaluated on this run's medians.
+
 `--profile ROW` runs one cell of `--profile-arm` (default pool) under cProfile,
 timing only next() + del after a sleep, and prints the top entries instead of
 the ablation. `--from-json PATH` re-renders the tables (and `--plot`) from a
@@ -95,7 +100,8 @@ Usage:
   python bench/handoff.py [--quick] [--workers 2,4] [--reps 3]
                           [--dataset cheap|jpeg] [--out DIR] [--json PATH]
                           [--plot PATH] [--markdown PATH] [--nofile N]
-                          [--timeout S] [--profile per_sample] [--from-json PATH]
+                          [--timeout S] [--targets] [--profile per_sample]
+                          [--from-json PATH]
 """
 from __future__ import annotations
 
@@ -107,6 +113,7 @@ import os
 import platform
 import pstats
 import resource
+import shlex
 import statistics
 import sys
 import tempfile
@@ -434,7 +441,8 @@ def markdown(summary, workers_list, rows, header) -> str:
     short = {"dl_fd": "DataLoader fd", "dl_fs": "DataLoader fs", "pool": "PoolLoader",
              "pool_posix": "PoolLoader posix"}
     for w in workers_list:
-        lines += ["", f"### {w} workers — main-process cost per batch, median [min–max] over reps", "",
+        lines += ["", f"### {w} workers — details: main-process cost per batch, median [min–max] "
+                  "over reps", "",
                   "| what crosses | loader | tensors | next ms | drop ms | next+drop ms "
                   "| DL ÷ Pool | warm next+drop ms | DL ÷ Pool (warm) | img/s | Pool ÷ DL (img/s) "
                   "| fds |",
@@ -631,6 +639,8 @@ def parse_args(argv=None):
                    help="set the soft RLIMIT_NOFILE first (1024: the stock limit)")
     p.add_argument("--from-json", metavar="PATH",
                    help="re-render the tables (and --plot) from a --json file; runs nothing")
+    p.add_argument("--targets", action="store_true",
+                   help="also check the project's targets on this run's medians (docs/benchmarks.md)")
     p.add_argument("--profile", metavar="ROW", help="profile one cell of ROW instead of the ablation")
     p.add_argument("--profile-arm", choices=list(ARM_BY_KEY), default="pool")
     args = common.parse(p, argv)
@@ -652,35 +662,114 @@ def parse_args(argv=None):
     return args
 
 
-def header_lines(meta: dict) -> list:
-    return [
-        f"## poolloader hand-off benchmark (bench/handoff.py{' --quick' if meta['quick'] else ''})",
+ROW_MEANING = {
+    "count": "the batch size alone, as a 1-element tensor",
+    "image_mask": f"images [{BATCH},3,{RESOLUTION},{RESOLUTION}] float32 + padding masks "
+                  f"[{BATCH},{RESOLUTION},{RESOLUTION}] bool",
+    "packed": "(b) + the targets packed one tensor per field (`pack_targets`)",
+    "per_sample": f"(b) + the {BATCH} target dicts of 7 tensors each, as they are "
+                  "(RF-DETR's default)",
+}
+
+
+def machine() -> str:
+    """CPUs (model), OS and memory of this machine, and its GPU (which the run does not use)."""
+    model = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
+    except OSError:
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(ln.split()[1]) for ln in f if ln.startswith("MemTotal:"))
+        memory = f", {kib / 2**20:.0f} GiB memory"
+    except (OSError, StopIteration, ValueError):
+        memory = ""
+    gpu = (f"GPU {torch.cuda.get_device_name(0)} (not used: the hand-off is CPU-side)"
+           if torch.cuda.is_available() else "no GPU")
+    return (f"{os.cpu_count()} CPUs{f' ({model})' if model else ''}{memory}, "
+            f"{platform.system()} {platform.release()}, {gpu}")
+
+
+def header_lines(meta: dict, rows) -> list:
+    """Where the figures come from: the command, the machine, the batch, what each row
+    and each figure means."""
+    command = meta.get("command") or f"python bench/handoff.py{' --quick' if meta['quick'] else ''}"
+    load = (f"; 1-min load average {meta['loadavg_1min'][0]} at the start, "
+            f"{meta['loadavg_1min'][1]} at the end" if "loadavg_1min" in meta else "")
+    workers = meta.get("workers")
+    where = meta.get("machine") or f"{meta['cpus']} CPUs"
+    lines = [
+        "## poolloader hand-off benchmark",
         "",
-        f"batch {BATCH}, {RESOLUTION}×{RESOLUTION}, image f32 + bool mask + 7-field targets "
-        f"(n uniform 0..{MAX_INSTANCES}); dataset {meta['dataset']}; packer {meta['packer']}; "
-        f"pin_memory=False, prefetch_factor={meta['prefetch']}; {meta['reps']} reps × "
-        f"{meta['samples']} (after-sleep, warm) pairs of timed next()/del + {meta['tp_batches']} "
-        f"free-running batches per cell; {meta['cpus']} CPUs, torch {meta['torch']}, Python "
-        f"{meta['python']}, start method {meta['start_method']}, ulimit -n {meta['nofile'][0]}; "
-        f"run took {meta['wall_s']:.0f} s"
-        + (f", 1-min load average {meta['loadavg_1min'][0]} at the start and "
-           f"{meta['loadavg_1min'][1]} at the end." if "loadavg_1min" in meta else "."),
+        "What a batch costs the training process when it crosses from a worker: torch's "
+        "DataLoader (both sharing strategies) and PoolLoader, run side by side on the same data.",
         "",
-        "next = wall time of next() on a batch already done, after sleeping until the prefetch "
-        "queue is full (cold caches); warm = the batch right after it, also ready; drop = wall "
-        "time of `del batch`; DL ÷ Pool and Pool ÷ DL are per-repetition ratios between arms "
-        "run side by side; fds = open descriptors of the main process at the end of the "
-        "throughput pass (last batch held).",
+        f"* Command: `{command}`",
+        f"* Machine: {where}; Python "
+        f"{meta['python']}, torch {meta['torch']}, start method {meta['start_method']}, ulimit -n "
+        f"{meta['nofile'][0]}{load}; the run took {meta['wall_s']:.0f} s.",
+        f"* Batch: {BATCH} samples of {RESOLUTION}×{RESOLUTION} (image, mask, 7 target fields with "
+        f"n uniform 0..{MAX_INSTANCES} boxes); dataset {meta['dataset']}; "
+        + (f"{', '.join(map(str, workers))} workers, " if workers else "")
+        + f"pin_memory=False, prefetch_factor={meta['prefetch']}.",
+        f"* Repetitions: {meta['reps']}, each of {meta['samples']} timed batches after a sleep "
+        f"(and the one right after each) + {meta['tp_batches']} free-running batches per loader "
+        "and row; a figure is the median [min–max] over the repetitions.",
+        "",
+        "Rows (only the collate's output changes):",
+        "",
     ]
+    lines += [f"* {ROW_LABEL[row]}: {ROW_MEANING[row]}" for row in rows]
+    lines += [
+        "",
+        "Figures: ms = main-process wall time of `next()` (next) plus `del batch` (drop) on a "
+        "batch already waiting, after a sleep that lets the workers fill the queue (cold "
+        "caches); warm = the batch right after it; fd ÷ Pool, fs ÷ Pool (DL ÷ Pool) = "
+        "DataLoader's ms divided by PoolLoader's, per repetition between loaders run side by "
+        "side (on a busy machine the ratios, not the absolute times, are the figures); img/s = "
+        "free-running throughput; fds = open descriptors of the main process. Method: this "
+        "script's docstring.",
+    ]
+    return lines
+
+
+def summary_table(summary, w: int, rows) -> list:
+    """The README's table: one line per row, the three loaders and their ratios."""
+    lines = ["", f"### {w} workers — summary (ms per batch, next() + del after a sleep)", "",
+             "| what crosses | tensors | DataLoader fd | DataLoader file_system | PoolLoader "
+             "| fd ÷ Pool | fs ÷ Pool | warm: Pool, fd ÷ Pool | img/s fd / fs / Pool "
+             "| fds fd / fs / Pool |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def num(x, unit=""):
+        return "—" if x is None else common.fmt_num(x) + unit
+
+    for row in rows:
+        fd, fs, pool = (summary[(w, row, key)] for key in ("dl_fd", "dl_fs", "pool"))
+        tensors = ",".join(map(str, pool["tensors"] or fd["tensors"])) or "—"
+        img = " / ".join(f"{s['img_s'].median:.0f}" if s["img_s"].n else "—" for s in (fd, fs, pool))
+        fds = " / ".join(f"{s['fds'].median:.0f}" if s["fds"].n else "—" for s in (fd, fs, pool))
+        lines.append(
+            f"| {ROW_LABEL[row]} | {tensors} | {num(med(fd['sum_ms']))} | {num(med(fs['sum_ms']))} "
+            f"| {fmt(pool['sum_ms'])} | {num(med(fd['x_sum']), '×')} | {num(med(fs['x_sum']), '×')} "
+            f"| {num(med(pool['warm_sum_ms']))}, {num(med(fd['x_warm']), '×')} | {img} | {fds} |")
+    return lines
 
 
 def report(raw: common.Raw, meta: dict, cfg) -> tuple[str, dict]:
-    """Markdown tables, target checks, cleanup line; writes --plot."""
+    """Where the figures come from, the summary and detailed tables, the cleanup line
+    (and with --targets the project's targets); writes --plot."""
     workers_list = list(dict.fromkeys(w for w, _ in raw.cells))
     rows = list(dict.fromkeys(row for _, row in raw.cells))
     summary = summarise(raw)
-    text = markdown(summary, workers_list, rows, header_lines(meta))
-    text += "\n" + target_checks(summary, workers_list, rows)
+    header = header_lines(meta, rows)
+    for w in workers_list:
+        header += summary_table(summary, w, rows)
+    text = markdown(summary, workers_list, rows, header)
+    if cfg.targets:
+        text += "\n" + target_checks(summary, workers_list, rows)
     clean = meta.get("cleanup")
     if clean is not None:
         text += ("\n\nCleanup: live child processes at the end: "
@@ -693,6 +782,7 @@ def report(raw: common.Raw, meta: dict, cfg) -> tuple[str, dict]:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     cfg = parse_args(argv)
     if cfg.from_json:
         with open(cfg.from_json) as f:
@@ -739,7 +829,8 @@ def main(argv=None) -> int:
             "cpus": os.cpu_count(), "torch": torch.__version__,
             "python": platform.python_version(), "nofile": list(nofile),
             "start_method": torch_mp.get_start_method(), "dataset": dataset_desc,
-            "packer": PACKER, "wall_s": wall,
+            "packer": PACKER, "wall_s": wall, "machine": machine(),
+            "command": shlex.join(["python", "bench/handoff.py", *argv]),
             "loadavg_1min": [round(load_start, 2), round(os.getloadavg()[0], 2)]}
     text, summary = report(raw, dict(meta, cleanup=cleanup), cfg)
     common.write_outputs(cfg, text, {

@@ -8,11 +8,24 @@ into torch."""
 from __future__ import annotations
 
 import ast
+import importlib.util
 import pathlib
-import re
 
 import poolloader
 
+
+def _load_layers():
+    """scripts/layers.py, the one walk of the import graph (it also draws the picture in
+    docs/how-it-works.md), loaded from its path: scripts/ is not a package."""
+    path = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "layers.py"
+    spec = importlib.util.spec_from_file_location("poolloader_layers", path)
+    assert spec and spec.loader, path
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+layers = _load_layers()
 PACKAGE = pathlib.Path(poolloader.__file__).parent
 # Modules allowed to write private attributes of objects they do not own, and why.
 ADAPTERS = {
@@ -25,81 +38,19 @@ ALLOWED_WRITES = {
 }
 
 
-def _module_name(path: pathlib.Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def _modules() -> dict[str, pathlib.Path]:
-    found = {}
-    for path in sorted(PACKAGE.rglob("*.py")) + sorted(PACKAGE.rglob("*.pyx")):
-        found[_module_name(path)] = path
-    return found
-
-
-MODULES = _modules()
+MODULES = layers.modules(PACKAGE)
 
 
 def _imports(name: str, path: pathlib.Path) -> list[tuple[str, str]]:
     """(imported module, imported name or "") for every import of a poolloader module."""
-    found: list[tuple[str, str]] = []
-    if path.suffix == ".pyx":  # Cython: the Python-level imports only
-        for line in path.read_text().splitlines():
-            m = re.match(r"\s*from (poolloader[\w.]*) import (.+)", line)
-            if m:
-                found += [(m.group(1), n.strip().split(" as ")[0]) for n in m.group(2).split(",")]
-        return found
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            found += [(a.name, "") for a in node.names if a.name.startswith("poolloader")]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("poolloader"):
-            found += [(node.module, a.name) for a in node.names]
-    return found
+    return layers.imports(path)
 
 
 def _graph() -> dict[str, set[str]]:
-    graph: dict[str, set[str]] = {name: set() for name in MODULES}
-    for name, path in MODULES.items():
-        for module, imported in _imports(name, path):
-            target = f"{module}.{imported}" if f"{module}.{imported}" in MODULES else module
-            if target != name:
-                graph[name].add(target)
-    return graph
+    return layers.graph(MODULES)
 
 
-def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components of more than one module (Tarjan)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    found: list[list[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on_stack.add(v)
-        for w in sorted(graph.get(v, ())):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                component.append(w)
-                if w == v:
-                    break
-            if len(component) > 1:
-                found.append(sorted(component))
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return found
+_cycles = layers.cycles  # strongly connected components of more than one node
 
 
 def test_every_import_points_down():
@@ -163,3 +114,24 @@ def test_each_folder_says_what_it_owns():
     for folder in folders:
         doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text()))
         assert doc, f"{folder.name}/__init__.py has no docstring saying what the folder owns"
+
+
+def test_the_layer_picture_in_the_docs_is_the_code():
+    # docs/how-it-works.md shows the layers as built; regenerate with the command named
+    difference = layers.difference(package=PACKAGE)
+    assert not difference, difference
+
+
+def test_the_layer_picture_sees_a_cycle(tmp_path):
+    # the picture itself: an upward import between two folders shows as a cycle
+    package = tmp_path / "poolloader"
+    for folder, imported in (("low", "poolloader.high.b"), ("high", "poolloader.low.a")):
+        (package / folder).mkdir(parents=True)
+        (package / folder / "__init__.py").write_text("")
+        name = "a" if folder == "low" else "b"
+        (package / folder / f"{name}.py").write_text(f"import {imported}\n")
+    (package / "__init__.py").write_text("from poolloader.high import b\n")
+    (package / "errors.py").write_text("")
+    picture = layers.render(package)
+    assert "cycle: high/ ↔ low/" in picture, picture
+    assert "poolloader  → high/" in picture, picture
