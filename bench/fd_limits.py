@@ -5,7 +5,7 @@ that sets the limit (soft and hard) before it imports torch or poolloader, build
 the loader over bench/common.py's RF-DETR shaped dataset (`RFDETRShaped`, batch 16;
 per sample an image f32 [3,hw,hw], a bool mask [hw,hw] and a target dict of 7
 tensors, n = 0..14 boxes) collated with `RFDETRCollate("per_sample")`: 114 tensors
-per batch, the per-sample-targets layout of DESIGN.md) and pulls `--batches`
+per batch, row (d) of bench/handoff.py) and pulls `--batches`
 batches, checking each has 114 tensors. A cell passes when every batch arrived;
 otherwise it reports FAIL, the first line of the error and the function that
 raised it (a child that runs past `--timeout` is killed and reported as a

@@ -2,8 +2,8 @@
 worker -> main boundary, for torch's DataLoader (both sharing strategies) and
 PoolLoader, side by side in one run.
 
-It reproduces the ablation of RF-DETR PR #1399 (DESIGN.md, "The problem, in
-numbers") on the RF-DETR detection shape: batch 16, 576x576; per sample an image
+It reproduces the ablation of RF-DETR PR #1399 (docs/benchmarks.md, "Hand-off:
+the headline run") on the RF-DETR detection shape: batch 16, 576x576; per sample an image
 float32 [3,576,576], a bool padding mask [576,576] and a target dict of 7
 tensors (boxes [n,4] f32, labels [n] i64, image_id [1] i64, area [n] f32,
 iscrowd [n] i64, orig_size [2] i64, size [2] i64; n uniform in 0..14, mean 7,
@@ -465,7 +465,7 @@ def markdown(summary, workers_list, rows, header) -> str:
                     f"| {label} | {name}{partial} | {tensors} | {fmt(s['next_ms'])} | "
                     f"{fmt(s['drop_ms'])} | {fmt(s['sum_ms'])} | {x_sum} | "
                     f"{fmt(s['warm_sum_ms'])} | {x_warm} | {fmt(s['img_s'])} | {x_img} | {fds} |")
-        # the DESIGN.md-style table: added cost per stage, per loader
+        # the ablation-style table: added cost per stage, per loader
         lines += ["", f"### {w} workers — added by each stage (next+drop ms, medians)", "",
                   "| what crosses | tensors | DL fd | + stage | DL fs | + stage | Pool | + stage "
                   "| fd ÷ Pool | fs ÷ Pool | fd ÷ Pool warm | fs ÷ Pool warm |",

@@ -1,5 +1,5 @@
-"""A delivered batch belongs to the user, as a DataLoader batch does (DESIGN.md,
-"Ownership"): keep it, keep part of it, save it, fork. Each case runs the stock
+"""A delivered batch belongs to the user, as a DataLoader batch does (docs/guide.md,
+"A delivered batch is yours"): keep it, keep part of it, save it, fork. Each case runs the stock
 DataLoader in the same test as the reference, with real workers over real shared
 memory."""
 from __future__ import annotations

@@ -19,7 +19,7 @@ A slot is one page-aligned shared segment:
 The skeleton is the batch pickled with every plain CPU tensor and numpy array
 replaced by a persistent id that points into the slot. Decoding unpickles it and
 turns each id into a tensor: O(objects), never O(bytes), and the batch belongs to
-the user as a DataLoader batch does (DESIGN.md, "Ownership"):
+the user as a DataLoader batch does (docs/how-it-works.md, "Ownership mechanisms"):
 
 * a tensor above SMALL_TENSOR_BYTES stays in the slot, as a view with a storage of
   its own covering exactly its bytes (torch.save, deepcopy, share_memory_() and
