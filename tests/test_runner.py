@@ -307,6 +307,29 @@ def test_pool_options_from_flags_and_environment(capsys):
     assert "--stall-warning -1: stall_warning must be a positive" in capsys.readouterr().err
 
 
+def test_stateful_flag_and_environment_take_true_false_one_zero(capsys):
+    # issue 33 item 9: `--stateful false` was refused ("must be of type bool"), as 1/0
+    from poolloader.adopt import runner
+
+    parse = runner._parser().parse_args
+    for text, value in (("true", True), ("False", False), ("TRUE", True), ("1", True),
+                        ("0", False), (" false ", False)):
+        assert runner.pool_options(parse(["--stateful", text]), environ={}) == {"stateful": value}
+        assert runner.pool_options(parse([]), environ={"POOLLOADER_STATEFUL": text}) == {
+            "stateful": value}
+    assert runner.pool_options(parse(["--stateful", "0"]),
+                               environ={"POOLLOADER_STATEFUL": "true"}) == {"stateful": False}
+    for source, text in (("flag", "yes"), ("env", "2"), ("flag", "none")):
+        args, env = (["--stateful", text], {}) if source == "flag" else ([], {
+            "POOLLOADER_STATEFUL": text})
+        with pytest.raises(SystemExit) as exit_:
+            runner.pool_options(parse(args), environ=env)
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        where = f"--stateful {text}" if source == "flag" else f"POOLLOADER_STATEFUL={text}"
+        assert f"{where}: stateful must be one of true, false, 1, 0 (any case), got {text!r}" in err
+
+
 def test_split_argv_leaves_the_script_its_arguments():
     from poolloader.adopt.runner import split_argv
 
