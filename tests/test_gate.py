@@ -11,6 +11,7 @@ import gc
 import multiprocessing
 import os
 import time
+import warnings
 
 import numpy as np
 import proc
@@ -696,3 +697,37 @@ def test_gate_held_batch_stays_registered_after_teardown_until_its_last_view_die
     assert sim.violations == [] and first_values([out]) == expected(1)
     it2._shutdown_workers()
     assert sim.registered == {}
+
+
+def _warnings_of(fn, match) -> list:
+    """(filename, message) of each warning `fn()` gives whose message holds `match`."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn()
+    return [(w.filename, str(w.message)) for w in caught if match in str(w.message)]
+
+
+def test_gate_warnings_point_at_the_users_line(monkeypatch):
+    # issue 33 item 9: stacklevel=3 pointed into poolloader (pool.py, iterator.py)
+    sim = SimCuda()
+    sim.fail_unregister = {0: 1}
+    loader = loader_with(sim, Full(8), pin_memory=True, slots=4, prefetch_factor=1)
+    got = _warnings_of(lambda: [None for _batch in loader], "cudaHostUnregister")
+    assert got and {f for f, _ in got} == {__file__}, got
+
+    monkeypatch.setattr(cuda, "CLOSE_TIMEOUT_S", 0.3)
+    sim = SimCuda()  # (the first one keeps the failed registration)
+    loader = loader_with(sim, Full(8), pin_memory=True, slots=4, prefetch_factor=1)
+    side = sim.stream(0)
+    sim.work(side)
+    side.hung = True
+    it = iter(loader)
+    batch = next(it)
+    out = sim.copy(batch, side)
+    del batch
+    got = _warnings_of(it._shutdown_workers, "did not finish within")
+    assert got and {f for f, _ in got} == {__file__}, got
+    side.hung = False
+    cuda.finish_deferred()
+    assert sim.registered == {} and sim.violations == []
+    assert first_values([out]) == expected(1)

@@ -181,6 +181,49 @@ def test_parent_sentinel_in_a_worker_is_ready_only_once_main_died(tmp_path, how)
     assert not names and not procs
 
 
+def _warned_at(fn) -> list:
+    """(filename, line, first words) of each poolloader warning `fn()` gives."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn()
+    return [(w.filename, w.lineno, str(w.message)[:50]) for w in caught
+            if "PoolLoader" in str(w.message)]
+
+
+def _first_two_then_close(loader):
+    it = iter(loader)
+    next(it)
+    next(it)
+    if loader.num_workers:
+        it._shutdown_workers()
+
+
+def test_warnings_point_at_the_users_line():
+    # issue 33 item 9: fixed stacklevels pointed into poolloader (iterator.py, loader.py)
+    from _resume_cases import AugmentStream
+
+    # the consumer holds every slot: the oldest batches are detached
+    loader = PoolLoader(ds.RFDETRShaped(n=12, hw=64), batch_size=2, collate_fn=ds.rfdetr_collate,
+                        num_workers=1, slots=2, max_slots=2, prefetch_factor=1)
+    got = _warned_at(lambda: list(loader))
+    assert got and {f for f, _, _ in got} == {__file__}, got
+    # resuming an IterableDataset without state_dict(): main (num_workers=0) or each
+    # worker replays what it fetched
+    for workers in (0, 1):
+        loader = PoolLoader(AugmentStream(n=12), batch_size=2, num_workers=workers)
+        _first_two_then_close(loader)
+        resumed = PoolLoader(AugmentStream(n=12), batch_size=2, num_workers=workers)
+        state = loader.state_dict()
+        got = _warned_at(lambda: (resumed.load_state_dict(state),  # noqa: B023
+                                  _first_two_then_close(resumed)))  # noqa: B023
+        assert got and {f for f, _, _ in got} == {__file__}, (workers, got)
+    # stateful=False: state_dict() says it captures nothing
+    loader = PoolLoader(ds.AugmentDataset(n=12), batch_size=2, num_workers=1, stateful=False)
+    _first_two_then_close(loader)
+    got = _warned_at(loader.state_dict)
+    assert got and {f for f, _, _ in got} == {__file__}, got
+
+
 def test_parity_prefetch_and_out_of_order():
     parity(ds.AugmentDataset(n=25), batch_size=2, num_workers=2, prefetch_factor=4)
     # in_order=False: same multiset of batches

@@ -82,7 +82,6 @@ from __future__ import annotations
 import bisect
 import os
 import time
-import warnings
 from typing import Any
 
 import torch
@@ -90,7 +89,7 @@ from torch.utils.data._utils.pin_memory import pin_memory as _torch_pin_memory
 
 from poolloader.cuda.runtime import CudaRuntime, torch_runtime
 from poolloader.cuda.staging import DESCEND, DeviceStager, HostStager, map_batch
-from poolloader.errors import CudaRegistrationError
+from poolloader.errors import CudaRegistrationError, warn
 
 # How long the iterator waits for a cooling slot when the pool may not grow (seconds).
 COOL_TIMEOUT_S = 300.0
@@ -188,7 +187,7 @@ class SlotGate:
                    f"{mapping.address:#x}) failed with {self._rt.error_name(code)} ({code}); "
                    "the error was cleared and teardown went on")
         self.errors.append(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        warn(message, RuntimeWarning)
         return False
 
     def _index(self) -> None:
@@ -355,10 +354,10 @@ class SlotGate:
         if self._rt.wait_events(self._parked, timeout):
             self._parked = []
         else:
-            warnings.warn(
+            warn(
                 f"PoolLoader: CUDA copies from the pool did not finish within {timeout:.0f} s "
                 "of teardown; its slots stay registered and mapped until a later loader "
-                "starts (or the process exits).", RuntimeWarning, stacklevel=3)
+                "starts (or the process exits).", RuntimeWarning)
             _deferred.append(self)
         return keys
 

@@ -3,11 +3,11 @@ StatefulDataLoader's single-process layout (see keys.py for the design)."""
 from __future__ import annotations
 
 import itertools
-import warnings
 
 import torch
 from torch.utils.data.dataloader import _DatasetKind, _SingleProcessDataLoaderIter
 
+from poolloader.errors import warn
 from poolloader.resume.keys import (
     DATASET_ITER_STATE,
     DATASET_STATE,
@@ -117,11 +117,11 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
             elif dataset_state is not None and is_stateful(self._dataset):
                 fetcher.ended = bool(fetcher_state.get(FETCHER_ENDED, False))
             elif self._num_yielded:
-                warnings.warn(
+                warn(
                     "PoolLoader resume: the IterableDataset has no state_dict()/load_state_dict(), so "
                     f"its first {self._num_yielded} batches are fetched again and dropped to get back "
                     "to where it was. Implement them on the dataset (or its iterator) to resume "
-                    "without the replay.", stacklevel=5)
+                    "without the replay.")
                 index = next(iter(self._index_sampler))
                 for _ in range(self._num_yielded):
                     try:

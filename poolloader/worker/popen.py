@@ -24,8 +24,9 @@ import multiprocessing.process
 import os
 import threading
 import time
-import warnings
 from pickle import PicklingError
+
+from poolloader.errors import warn
 
 # Start methods whose Popen.poll() uses waitpid, not the sentinel pipe.
 _WAITPID_POPENS = ("multiprocessing.popen_fork", "multiprocessing.popen_spawn_posix")
@@ -39,13 +40,12 @@ def start_without_pipes(ctx, target, args):
     try:
         process.start()
     except (TypeError, AttributeError, PicklingError):
-        warnings.warn(
+        warn(  # at the user's line (the caller of iter(loader))
             "Got pickle error when attempting to start a worker Process. "
             "This might be because the worker Process arguments are not picklable. "
             "Python 3.14+ changed the multiprocessing start method in non-Mac POSIX platforms "
             "to 'forkserver', which requires the worker Process arguments to be picklable. "
-            "You can also try multiprocessing.set_start_method('fork').",
-            stacklevel=5)  # the caller of iter(loader)
+            "You can also try multiprocessing.set_start_method('fork').")
         raise
     popen = process._popen
     if type(popen).__module__ in _WAITPID_POPENS and getattr(popen, "finalizer", None):
