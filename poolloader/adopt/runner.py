@@ -11,7 +11,9 @@ included (the process then dies of SIGINT as python's does). `-m MODULE` runs li
 What changes (`--loader pool`, the default): see `poolloader.adopt.hook` — every
 `DataLoader(..., num_workers > 0)` built in this process or its multiprocessing
 children is a PoolLoader with the pool options given here; at exit (and on SIGUSR1,
-if the script has no handler of its own) a summary per loader goes to stderr.
+if the script has no handler of its own) a summary per loader goes to stderr (the
+first and last `hook.LISTED` of each kind; those between are counted and added up, so
+a script that builds thousands of loaders keeps a summary, and a memory, of bounded size).
 `--loader torch` changes nothing: the script runs exactly as under python, so an A/B
 comparison is one flag.
 
