@@ -22,11 +22,10 @@ accelerate's loader (PoolLoader's own `state_dict()` has StatefulDataLoader's la
 """
 from __future__ import annotations
 
-import warnings
-
 from torch.utils.data import DataLoader
 
 from poolloader.adopt import hook, rebuilds
+from poolloader.errors import warn
 from poolloader.loader import PoolLoader
 
 
@@ -71,11 +70,11 @@ def _with_pool(prepared, original: PoolLoader, calls: dict):
         return prepared  # built as a PoolLoader already (under the runner)
     call = calls.get(id(base))
     if call is None or not isinstance(base, DataLoader):
-        warnings.warn(
+        warn(
             f"poolloader.accelerate: cannot keep the pool of this PoolLoader: accelerate "
             f"returned {type(prepared).__name__} over {type(base).__name__}, not built by a "
             f"DataLoader(...) call (use_stateful_dataloader=True? XLA?); its loader is "
-            f"accelerate's.", UserWarning, stacklevel=4)
+            f"accelerate's.", UserWarning)
         return prepared
     args, kwargs = call
     pooled: PoolLoader = PoolLoader(*args, **{**kwargs, **options})

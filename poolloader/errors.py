@@ -1,7 +1,9 @@
-"""Every exception (and warning) poolloader raises on purpose, in one place.
+"""Every exception (and warning) poolloader raises on purpose, in one place, and `warn`,
+which gives each warning at the user's line.
 
 Each subclasses the builtin a caller would already catch for it.
 """
+import os
 
 
 class RingClosed(RuntimeError):
@@ -41,3 +43,28 @@ class CudaRegistrationError(RuntimeError):
 class StallWarning(RuntimeWarning):
     """next() has waited `stall_warning` seconds for a batch (timeout=0 waits on); the
     message says which worker owes which batch and where it is (poolloader.worker.stall)."""
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def warn(message, category: type[Warning] = UserWarning, skip: tuple[str, ...] = ()) -> None:
+    """`warnings.warn(message, category)` at the user's line: the innermost frame outside
+    poolloader, torch.utils.data and the directories in `skip` (`for batch in loader`,
+    `loader.state_dict()`, the script's line under the runner), however deep in
+    poolloader it was raised; the outermost frame where none is outside (a thread of
+    poolloader's own)."""
+    import sys
+    import warnings
+
+    inside = [_PACKAGE_DIR, *skip]
+    data = sys.modules.get("torch.utils.data")
+    if data is not None and data.__file__:
+        inside.append(os.path.dirname(data.__file__) + os.sep)
+    prefixes = tuple(inside)
+    level, frame = 2, sys._getframe(1)  # stacklevel 2: warn's caller
+    while frame is not None and frame.f_code.co_filename.startswith(prefixes):
+        if frame.f_back is None:
+            break  # nothing outside: the outermost frame
+        level, frame = level + 1, frame.f_back
+    warnings.warn(message, category, stacklevel=level)

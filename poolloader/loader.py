@@ -1,13 +1,13 @@
 """PoolLoader: torch.utils.data.DataLoader with batches moved through a slot pool."""
 from __future__ import annotations
 
-import warnings
 from typing import TypeVar
 
 import torch
 from torch.utils.data import DataLoader
 
 from poolloader.adopt.rebuilds import note_plain_prepare
+from poolloader.errors import warn
 from poolloader.stats import LoaderStats
 
 T_co = TypeVar("T_co", covariant=True)
@@ -159,10 +159,10 @@ class PoolLoader(DataLoader[T_co]):
         if not self.stateful and self.num_workers > 0:
             if not self._warned_stateless:
                 self._warned_stateless = True
-                warnings.warn(
+                warn(
                     "PoolLoader(stateful=False): the workers capture no resume state, so "
                     "state_dict() returns {} and a resumed run starts the epoch again (as "
-                    "DataLoader). Pass stateful=True to resume mid-epoch exactly.", stacklevel=2)
+                    "DataLoader). Pass stateful=True to resume mid-epoch exactly.")
             return {}
         return self._resume_tracker.state_dict()
 

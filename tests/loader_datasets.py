@@ -96,7 +96,8 @@ class SeedInfoDataset(Dataset):
 
 class ParentProcessDataset(Dataset):
     """Each sample: what multiprocessing.parent_process() says in the worker (alive, its
-    pid and name, whether join(0.05) waited as for a live parent)."""
+    pid and name, whether join(0.05) waited as for a live parent, whether its sentinel
+    reads as ready)."""
 
     def __len__(self):
         return 4
@@ -108,8 +109,11 @@ class ParentProcessDataset(Dataset):
         t0 = time.monotonic()
         parent.join(0.05)
         waited = time.monotonic() - t0
+        import multiprocessing.connection
+
+        ready = bool(multiprocessing.connection.wait([parent.sentinel], timeout=0))
         return {"alive": parent.is_alive(), "pid": parent.pid, "name": parent.name,
-                "join_waited": 0.04 <= waited < 5.0}
+                "join_waited": 0.04 <= waited < 5.0, "sentinel_ready": ready}
 
 
 class SegfaultDataset(Dataset):

@@ -11,6 +11,7 @@ import gc
 import multiprocessing
 import os
 import time
+import warnings
 
 import numpy as np
 import proc
@@ -198,14 +199,18 @@ def test_gate_teardown_waits_for_leased_cooling_and_staged_copies():
     del cooling
     kept = next(it)  # finds the release: that slot is cooling now
     assert it._gate.pending >= 1 and sim.registered
+    held = {_registered_span(sim, leased), _registered_span(sim, kept)}
     t0 = time.monotonic()
     it._shutdown_workers()
     assert time.monotonic() - t0 < 5
-    # every queued copy ran before anything was unregistered, and everything was
-    assert sim.violations == [] and sim.registered == {}
+    # every queued copy ran before anything was unregistered, and everything was but
+    # the slots of the batches still held (until their last view dies)
+    assert sim.violations == [] and set(sim.registered) == held
     assert first_values([out_leased, out_cooling]) == expected(2)
     assert leased[:, 0, 0].tolist() == [0.0, 1.0] and kept[:, 0, 0].tolist() == [4.0, 5.0]
     del leased, kept, it
+    cuda.finish_deferred()
+    assert sim.registered == {}
 
     # device=: the copy of the batch staged one ahead is in flight at teardown
     sim = SimCuda()
@@ -230,6 +235,7 @@ def test_gate_teardown_from_a_finaliser_makes_no_cuda_call():
     del dropped
     next(it)  # its slot cools behind the side stream
     old = dict(sim.registered)
+    held = _registered_span(sim, batch)
     calls = len(sim.calls)
     del it  # __del__ stops the workers and unlinks the names ...
     gc.collect()
@@ -239,12 +245,16 @@ def test_gate_teardown_from_a_finaliser_makes_no_cuda_call():
     it2 = iter(loader)  # the next gate finishes the deferred teardown first
     later = [name for _pid, name in sim.calls[calls:]]
     unregistered = [i for i, name in enumerate(later) if name == "host_unregister"]
-    assert len(unregistered) == len(old)
+    assert len(unregistered) == len(old) - 1  # all but the slot of the batch still held
     assert max(unregistered) < later.index("host_register")  # before the new pool registered
+    assert held in sim.registered
     assert sim.violations == []
     assert first_values([out_dropped, out_later]) == [[2.0, 3.0], [0.0, 1.0]]
     assert batch[:, 0, 0].tolist() == [0.0, 1.0]
     it2._shutdown_workers()
+    assert set(sim.registered) == {held}
+    del batch
+    cuda.finish_deferred()
     assert sim.registered == {}
 
 
@@ -639,3 +649,85 @@ def test_gate_pins_packed_targets_per_storage_without_copies():
             assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
         assert all(sim.is_pinned(t) for t in (*targets.fields.values(), targets.counts))
     assert sim.pinned == []  # nothing was copied to be pinned
+
+
+def _registered_span(sim, tensor):
+    """The registered range (address) `tensor`'s storage lies in, or None."""
+    start = tensor.untyped_storage().data_ptr()
+    return next((a for a, n in sim.registered.items() if a <= start < a + n), None)
+
+
+@pytest.mark.parametrize("close", ["shutdown", "finaliser"])
+def test_gate_held_batch_stays_registered_after_teardown_until_its_last_view_dies(close):
+    # issue 33 item 10: teardown (pool.close, gate._finish(block=True) from the next
+    # loader's iter()) unregistered every mapping, the one a held batch views included
+    sim = SimCuda()
+    loader = loader_with(sim, Full(40), pin_memory=True, slots=4, prefetch_factor=1)
+    it = iter(loader)
+    held = next(it)
+    address = _registered_span(sim, held)
+    assert address is not None
+    if close == "shutdown":
+        it._shutdown_workers()
+        assert set(sim.registered) == {address}  # the rest of the pool is unregistered
+    else:
+        del it  # the finaliser defers the CUDA part to the next gate
+        gc.collect()
+    it2 = iter(loader)  # a new gate finishes deferred teardowns, blocking
+    next(it2)
+    assert address in sim.registered  # the held batch is still page-locked
+    assert len(sim.registered) == 1 + it2._pool.num_slots  # the old pool's rest is not
+    side = sim.stream(0)
+    sim.work(side)
+    out = sim.copy(held, side)  # queued: it reads the slot when the stream runs
+    assert held[:, 0, 0].tolist() == [0.0, 1.0]
+    sim.run(side)
+    assert sim.violations == [] and first_values([out]) == expected(1)
+    sim.work(side)
+    out = sim.copy(held, side)
+    del held  # the last view: unregistered once a marker after it completed
+    gc.collect()
+    next(it2)
+    assert address in sim.registered  # its copy is still queued
+    sim.run(side)
+    next(it2)
+    next(it2)
+    assert address not in sim.registered
+    assert not any(lo == address for lo, _, _ in proc.maps())  # and unmapped
+    assert sim.violations == [] and first_values([out]) == expected(1)
+    it2._shutdown_workers()
+    assert sim.registered == {}
+
+
+def _warnings_of(fn, match) -> list:
+    """(filename, message) of each warning `fn()` gives whose message holds `match`."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn()
+    return [(w.filename, str(w.message)) for w in caught if match in str(w.message)]
+
+
+def test_gate_warnings_point_at_the_users_line(monkeypatch):
+    # issue 33 item 9: stacklevel=3 pointed into poolloader (pool.py, iterator.py)
+    sim = SimCuda()
+    sim.fail_unregister = {0: 1}
+    loader = loader_with(sim, Full(8), pin_memory=True, slots=4, prefetch_factor=1)
+    got = _warnings_of(lambda: [None for _batch in loader], "cudaHostUnregister")
+    assert got and {f for f, _ in got} == {__file__}, got
+
+    monkeypatch.setattr(cuda, "CLOSE_TIMEOUT_S", 0.3)
+    sim = SimCuda()  # (the first one keeps the failed registration)
+    loader = loader_with(sim, Full(8), pin_memory=True, slots=4, prefetch_factor=1)
+    side = sim.stream(0)
+    sim.work(side)
+    side.hung = True
+    it = iter(loader)
+    batch = next(it)
+    out = sim.copy(batch, side)
+    del batch
+    got = _warnings_of(it._shutdown_workers, "did not finish within")
+    assert got and {f for f, _ in got} == {__file__}, got
+    side.hung = False
+    cuda.finish_deferred()
+    assert sim.registered == {} and sim.violations == []
+    assert first_values([out]) == expected(1)

@@ -104,12 +104,124 @@ def test_parity_worker_info_seed_and_init_fn():
 @pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
 def test_parent_process_in_a_worker_is_alive_as_under_dataloader(context):
     """multiprocessing.parent_process() in a worker: alive, main's pid and name, and
-    join(timeout) waits, under every start method (PoolLoader closes the pipe ends the
-    stock answer comes from; the worker asks the pool's owner probe instead)."""
+    join(timeout) waits, and its sentinel is not ready, under every start method
+    (PoolLoader closes the pipe ends the stock answer comes from; the worker asks the
+    pool's owner probe instead)."""
     [batches] = parity(ds.ParentProcessDataset(), batch_size=2, num_workers=2,
                      multiprocessing_context=context)
     assert all(b["alive"].all() and b["join_waited"].all() for b in batches), batches
+    assert not any(b["sentinel_ready"].any() for b in batches), batches  # as DataLoader's
     assert all((b["pid"] == os.getpid()).all() for b in batches), batches
+
+
+SENTINEL_SCRIPT = """
+import multiprocessing, multiprocessing.connection, os, sys, time
+from torch.utils.data import Dataset
+from poolloader import PoolLoader
+
+out, how = sys.argv[1], sys.argv[2]
+
+
+class WaitsForMain(Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):  # what user code in a worker may do: wait on main's sentinel
+        parent = multiprocessing.parent_process()
+        ready = bool(multiprocessing.connection.wait([parent.sentinel], timeout=0))
+        with open(out + ".waiting", "w") as f:
+            f.write(str(ready))
+        t0 = time.monotonic()
+        ready = bool(multiprocessing.connection.wait([parent.sentinel], timeout=60))
+        with open(out + ".tmp", "w") as f:
+            f.write(f"{ready} {time.monotonic() - t0:.2f} {parent.is_alive()}")
+        os.rename(out + ".tmp", out)
+        return i
+
+
+def refuse_pidfd(worker_id):  # a kernel or seccomp filter without pidfd_open
+    def refused(pid, flags=0):
+        raise OSError(38, "pidfd_open refused")
+    os.pidfd_open = refused
+
+
+loader = PoolLoader(WaitsForMain(), num_workers=1, multiprocessing_context="fork",
+                    worker_init_fn=refuse_pidfd if how == "no-pidfd" else None)
+next(iter(loader))
+"""
+
+
+@pytest.mark.parametrize("how", ["pidfd", "no-pidfd"])
+def test_parent_sentinel_in_a_worker_is_ready_only_once_main_died(tmp_path, how):
+    # issue 33 item 9: main closes its end of the sentinel pipe at the worker's start,
+    # so parent_process().sentinel read as ready (main dead) while main lived
+    import subprocess
+    import sys
+
+    from helpers import communicate_within, leftovers, wait_until
+
+    script, out = tmp_path / "main.py", tmp_path / "result"
+    script.write_text(SENTINEL_SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    main = subprocess.Popen([sys.executable, str(script), str(out), how], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        waiting = tmp_path / "result.waiting"
+        assert wait_until(waiting.exists, 120), "the worker never fetched"
+        assert waiting.read_text() == "False"  # not ready while main lives
+        assert not out.exists()
+    finally:
+        main.kill()
+    communicate_within(main, 30, "the killed main")
+    assert wait_until(out.exists, 30), "the sentinel did not become ready once main died"
+    ready, waited, alive = out.read_text().split()
+    assert ready == "True" and alive == "False" and float(waited) < 30
+    names, procs = leftovers([main.pid], str(tmp_path), settle_s=10)
+    assert not names and not procs
+
+
+def _warned_at(fn) -> list:
+    """(filename, line, first words) of each poolloader warning `fn()` gives."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn()
+    return [(w.filename, w.lineno, str(w.message)[:50]) for w in caught
+            if "PoolLoader" in str(w.message)]
+
+
+def _first_two_then_close(loader):
+    it = iter(loader)
+    next(it)
+    next(it)
+    if loader.num_workers:
+        it._shutdown_workers()
+
+
+def test_warnings_point_at_the_users_line():
+    # issue 33 item 9: fixed stacklevels pointed into poolloader (iterator.py, loader.py)
+    from _resume_cases import AugmentStream
+
+    # the consumer holds every slot: the oldest batches are detached
+    loader = PoolLoader(ds.RFDETRShaped(n=12, hw=64), batch_size=2, collate_fn=ds.rfdetr_collate,
+                        num_workers=1, slots=2, max_slots=2, prefetch_factor=1)
+    got = _warned_at(lambda: list(loader))
+    assert got and {f for f, _, _ in got} == {__file__}, got
+    # resuming an IterableDataset without state_dict(): main (num_workers=0) or each
+    # worker replays what it fetched
+    for workers in (0, 1):
+        loader = PoolLoader(AugmentStream(n=12), batch_size=2, num_workers=workers)
+        _first_two_then_close(loader)
+        resumed = PoolLoader(AugmentStream(n=12), batch_size=2, num_workers=workers)
+        state = loader.state_dict()
+        got = _warned_at(lambda: (resumed.load_state_dict(state),  # noqa: B023
+                                  _first_two_then_close(resumed)))  # noqa: B023
+        assert got and {f for f, _, _ in got} == {__file__}, (workers, got)
+    # stateful=False: state_dict() says it captures nothing
+    loader = PoolLoader(ds.AugmentDataset(n=12), batch_size=2, num_workers=1, stateful=False)
+    _first_two_then_close(loader)
+    got = _warned_at(loader.state_dict)
+    assert got and {f for f, _, _ in got} == {__file__}, got
 
 
 def test_parity_prefetch_and_out_of_order():

@@ -307,6 +307,78 @@ def test_pool_options_from_flags_and_environment(capsys):
     assert "--stall-warning -1: stall_warning must be a positive" in capsys.readouterr().err
 
 
+def test_stateful_flag_and_environment_take_true_false_one_zero(capsys):
+    # issue 33 item 9: `--stateful false` was refused ("must be of type bool"), as 1/0
+    from poolloader.adopt import runner
+
+    parse = runner._parser().parse_args
+    for text, value in (("true", True), ("False", False), ("TRUE", True), ("1", True),
+                        ("0", False), (" false ", False)):
+        assert runner.pool_options(parse(["--stateful", text]), environ={}) == {"stateful": value}
+        assert runner.pool_options(parse([]), environ={"POOLLOADER_STATEFUL": text}) == {
+            "stateful": value}
+    assert runner.pool_options(parse(["--stateful", "0"]),
+                               environ={"POOLLOADER_STATEFUL": "true"}) == {"stateful": False}
+    for source, text in (("flag", "yes"), ("env", "2"), ("flag", "none")):
+        args, env = (["--stateful", text], {}) if source == "flag" else ([], {
+            "POOLLOADER_STATEFUL": text})
+        with pytest.raises(SystemExit) as exit_:
+            runner.pool_options(parse(args), environ=env)
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        where = f"--stateful {text}" if source == "flag" else f"POOLLOADER_STATEFUL={text}"
+        assert f"{where}: stateful must be one of true, false, 1, 0 (any case), got {text!r}" in err
+
+
+MANY_LOADERS = """
+import gc, json, sys
+import torch
+from torch.utils.data import DataLoader
+from poolloader.adopt import hook
+from poolloader.stats import LoaderStats
+
+n = int(sys.argv[2])
+for i in range(n):
+    pooled = DataLoader(range(8), batch_size=2, num_workers=1)  # a loader per evaluation
+    if i in (0, 20, 21):  # one listed, two folded once later ones were built
+        assert [b.tolist() for b in pooled] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    DataLoader(range(8), batch_size=2)  # num_workers=0: left as DataLoader
+    del pooled
+gc.collect()
+kept = {"built": sum(type(o) is hook._Built for o in gc.get_objects()),
+        "stats": sum(type(o) is LoaderStats for o in gc.get_objects())}
+with open(sys.argv[1], "w") as f:
+    json.dump(kept, f)
+"""
+
+
+def test_summary_stays_bounded_for_thousands_of_loaders(tmp_path):
+    # issue 33 item 9: the runner kept a record (and a LoaderStats) per loader ever
+    # built, and the summary listed each one
+    from poolloader.adopt import hook
+
+    script = tmp_path / "many.py"
+    script.write_text(MANY_LOADERS)
+    out = tmp_path / "kept.json"
+    rc, _stdout, stderr, pid = _run(_runner(str(script), str(out), "3000"), cwd=tmp_path,
+                                    timeout=600)
+    assert rc == 0, stderr[-4000:]
+    kept = json.loads(out.read_text())
+    assert kept["built"] <= 4 * hook.LISTED and kept["stats"] <= 2 * hook.LISTED + 1, kept
+    summary = stderr[stderr.find("poolloader: "):]
+    lines = summary.splitlines()
+    assert lines[0].startswith("poolloader: 3000 loaders with a slot pool"), summary[:2000]
+    assert len(lines) < 20 * hook.LISTED, len(lines)
+    assert f"#{hook.LISTED + 1}-#{3000 - hook.LISTED}: {3000 - 2 * hook.LISTED} more loaders " \
+           "not listed" in summary, summary
+    assert "together 8 batches" in summary  # the two folded loaders that were iterated
+    assert f"{3000 - 2 * hook.LISTED} x PooledDataLoader (1 worker) at many.py:" in summary
+    assert "#3000 PooledDataLoader, 1 worker, built at many.py:" in summary
+    assert "left as DataLoader (3000):" in summary
+    assert f"{3000 - 2 * hook.LISTED} x DataLoader (num_workers=0) at many.py:" in summary
+    _assert_nothing_left([pid], str(tmp_path))
+
+
 def test_split_argv_leaves_the_script_its_arguments():
     from poolloader.adopt.runner import split_argv
 

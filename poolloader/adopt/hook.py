@@ -34,6 +34,7 @@ inherit the patch with the parent's memory. Processes started some other way
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import functools
 import inspect
@@ -99,12 +100,75 @@ class _Built:
         self.loader: weakref.ref | None = None
 
 
+# The summary lists the first and the last LISTED loaders of each kind (pooled, left as
+# DataLoader) a process built; those between are counted and their figures added up,
+# by where they were built (at most WHERES places, the rest as "elsewhere"), so a script
+# that builds a loader per epoch or per evaluation keeps a summary of bounded size.
+LISTED = 8
+WHERES = 8
+_FOLDED_STATS = ("batches", "worker_batches", "main_wait_s", "worker_busy_s", "worker_idle_s",
+                 "slot_growths", "pool_growths", "detaches")
+
+
+class _Group:
+    """The loaders of one kind a process built, in memory bounded by LISTED and WHERES:
+    the first and last LISTED in full, the ones between folded into `totals` (their
+    stats as they were when LISTED later loaders had been built) and `wheres`."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.first: list[_Built] = []
+        self.last: collections.deque[_Built] = collections.deque()
+        self.folded = 0
+        self.totals: dict[str, float] = dict.fromkeys(_FOLDED_STATS, 0)
+        self.wheres: collections.Counter[str] = collections.Counter()
+
+    def add(self, built: _Built) -> None:
+        self.count += 1
+        if len(self.first) < LISTED and not self.folded and not self.last:
+            self.first.append(built)
+            return
+        self.last.append(built)
+        if len(self.last) > LISTED:
+            self._fold(self.last.popleft())
+
+    def _fold(self, built: _Built) -> None:
+        self.folded += 1
+        if built.stats is not None:
+            for name in _FOLDED_STATS:
+                self.totals[name] += getattr(built.stats, name)
+        what = _plural(built.num_workers, "worker") if built.kind == "pool" else _why(built.kind)
+        where = f"{built.name} ({what}) at {built.where}"
+        if where not in self.wheres and len(self.wheres) >= WHERES:
+            where = "elsewhere"
+        self.wheres[where] += 1
+
+    def listed(self) -> list[_Built]:
+        return self.first + list(self.last)
+
+    def forget(self, loader) -> None:
+        for entries in (self.first, self.last):
+            for b in list(entries):
+                if b.loader is not None and b.loader() is loader:
+                    entries.remove(b)
+                    self.count -= 1
+
+
+class _Listing:
+    """The loaders built in one process (a forked child starts its own)."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.pooled = _Group()
+        self.other = _Group()
+
+
 class _State:
     installed = False
     options: dict | None = None  # None: pooling off
     report = True  # children print a summary of the loaders they built
     started = time.monotonic()
-    built: ClassVar[list[_Built]] = []
+    listing = _Listing()
     recorders: ClassVar[list[dict]] = []  # open `recording()` blocks
     exit_hook_pid = 0
     # (PoolLoader.__init__ while _observe_pool_loaders wraps it, the original)
@@ -179,7 +243,8 @@ def recording() -> Iterator[dict]:
 
 def forget(loader) -> None:
     """Drop `loader` from the summary (a loader replaced before it was ever used)."""
-    _State.built = [b for b in _State.built if b.loader is None or b.loader() is not loader]
+    _State.listing.pooled.forget(loader)
+    _State.listing.other.forget(loader)
 
 
 # -- the hook ---------------------------------------------------------------------------
@@ -285,7 +350,10 @@ def _observe(loader: PoolLoader) -> None:
 
 
 def _track(built: _Built) -> None:
-    _State.built.append(built)
+    if _State.listing.pid != os.getpid():
+        _State.listing = _Listing()  # a forked child: the parent's loaders are not its own
+    group = _State.listing.pooled if built.kind == "pool" else _State.listing.other
+    group.add(built)
     if _State.report and _State.exit_hook_pid != os.getpid():
         # A process other than the runner's main one (a spawn child, a forked DDP rank)
         # reports the loaders it built when it exits. multiprocessing children leave
@@ -360,18 +428,20 @@ def summary() -> str:
     left as DataLoader."""
     pid = os.getpid()
     elapsed = time.monotonic() - _State.started
-    mine = [b for b in _State.built if b.pid == pid]
-    pooled = [b for b in mine if b.kind == "pool"]
-    other = [b for b in mine if b.kind != "pool"]
+    listing = _State.listing if _State.listing.pid == pid else _Listing()
+    pooled, other = listing.pooled, listing.other
     process = multiprocessing.current_process().name
     if os.environ.get("RANK") is not None:  # torchrun / accelerate launch
         process += f", rank {os.environ['RANK']}"
-    head = (f"poolloader: {_plural(len(pooled), 'loader')} with a slot pool, "
+    head = (f"poolloader: {_plural(pooled.count, 'loader')} with a slot pool, "
             f"{elapsed:.1f} s run (pid {pid}, {process})")
     lines = [head]
-    if not mine:
+    if not pooled.count and not other.count:
         lines.append("  no DataLoader was built")
-    for i, b in enumerate(pooled, 1):
+    for i, b in _numbered(pooled):
+        if b is None:
+            lines += _folded_lines(pooled, elapsed)
+            continue
         s = b.stats
         lines.append(f"  #{i} {b.name}, {_plural(b.num_workers, 'worker')}, built at {b.where}")
         if s.batches == 0 and s.worker_batches == 0:
@@ -390,13 +460,48 @@ def summary() -> str:
             f"{s.detaches} held batches detached")
         for k, statement in enumerate(s.advice().splitlines()):
             lines.append(("     advice: " if k == 0 else "             ") + statement)
-    if other:
-        lines.append("  left as DataLoader:")
-        for b in other:
-            why = {"no workers": "num_workers=0",
-                   "subclass": "a DataLoader subclass, built as written"}.get(b.kind, b.kind)
-            lines.append(f"     {b.name} ({why}) built at {b.where}")
+    if other.count:
+        lines.append(f"  left as DataLoader ({other.count}):" if other.folded
+                     else "  left as DataLoader:")
+        for _i, b in _numbered(other):
+            if b is None:
+                lines.append(f"     ... {_plural(other.folded, 'more loader')} not listed:")
+                lines += [f"       {n} x {where}" for where, n in other.wheres.most_common()]
+                continue
+            lines.append(f"     {b.name} ({_why(b.kind)}) built at {b.where}")
     return "\n".join(lines)
+
+
+def _why(kind: str) -> str:
+    return {"no workers": "num_workers=0",
+            "subclass": "a DataLoader subclass, built as written"}.get(kind, kind)
+
+
+def _numbered(group: _Group):
+    """(number, loader) for each listed loader, with (None, None) where the folded ones
+    were built."""
+    for i, b in enumerate(group.first, 1):
+        yield i, b
+    if group.folded:
+        yield None, None
+    start = group.count - len(group.last) + 1
+    for i, b in enumerate(group.last, start):
+        yield i, b
+
+
+def _folded_lines(group: _Group, elapsed: float) -> list[str]:
+    t = group.totals
+    first, last = len(group.first) + 1, len(group.first) + group.folded
+    lines = [f"  #{first}-#{last}: {_plural(group.folded, 'more loader')} not listed (the "
+             f"summary lists the first and last {LISTED}); together "
+             f"{_plural(int(t['batches']), 'batch', 'batches')}; next() waited "
+             f"{t['main_wait_s']:.2f} s ({100 * t['main_wait_s'] / max(elapsed, 1e-9):.1f}% "
+             f"of the run); workers busy {t['worker_busy_s']:.2f} s, idle "
+             f"{t['worker_idle_s']:.2f} s; {_plural(int(t['slot_growths']), 'slot growth')}, "
+             f"{_plural(int(t['pool_growths']), 'pool growth')}, "
+             f"{int(t['detaches'])} held batches detached"]
+    lines += [f"     {n} x {where}" for where, n in group.wheres.most_common()]
+    return lines
 
 
 # -- spawn / forkserver children --------------------------------------------------------

@@ -11,13 +11,16 @@ included (the process then dies of SIGINT as python's does). `-m MODULE` runs li
 What changes (`--loader pool`, the default): see `poolloader.adopt.hook` — every
 `DataLoader(..., num_workers > 0)` built in this process or its multiprocessing
 children is a PoolLoader with the pool options given here; at exit (and on SIGUSR1,
-if the script has no handler of its own) a summary per loader goes to stderr.
+if the script has no handler of its own) a summary per loader goes to stderr (the
+first and last `hook.LISTED` of each kind; those between are counted and added up, so
+a script that builds thousands of loaders keeps a summary, and a memory, of bounded size).
 `--loader torch` changes nothing: the script runs exactly as under python, so an A/B
 comparison is one flag.
 
 Pool options: every keyword PoolLoader has beyond DataLoader's (`slot_bytes`, `slots`,
 `shm_limit`, ...), as `--slot-bytes N` or `POOLLOADER_SLOT_BYTES=N` (the flag wins);
-values are numbers, `none`, or text (`--device cuda`). Options not given keep
+values are numbers, `none`, or text (`--device cuda`); a switch (`--stateful`) takes
+true/false/1/0 in any case. Options not given keep
 PoolLoader's defaults. The summary ends each loader with `stats.advice()`.
 """
 from __future__ import annotations
@@ -58,9 +61,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-summary", dest="summary", action="store_false",
                    help="no summary at exit, no SIGUSR1 handler")
     group = p.add_argument_group("pool options (PoolLoader keyword arguments)")
+    defaults = inspect.signature(PoolLoader.__init__).parameters
     for name in hook.pool_option_names():
-        group.add_argument(_flag(name), dest=name, metavar="VALUE", default=None,
-                           help=f"PoolLoader(..., {name}=VALUE); env {ENV_PREFIX}{name.upper()}")
+        switch = isinstance(defaults[name].default, bool)
+        group.add_argument(_flag(name), dest=name, metavar="true|false" if switch else "VALUE",
+                           default=None,
+                           help=f"PoolLoader(..., {name}=VALUE); env {ENV_PREFIX}{name.upper()}"
+                                + (" (true, false, 1 or 0)" if switch else ""))
     return p
 
 
@@ -98,17 +105,29 @@ def _value(text: str):
     return text
 
 
+_BOOLEANS = {"true": True, "false": False, "1": True, "0": False}
+
+
 def pool_options(parsed: argparse.Namespace, environ=os.environ) -> dict:
     """The pool options given by flag or environment variable, checked by building a
-    PoolLoader with them (so a bad value fails here, naming where it came from)."""
-    options, sources = {}, {}
+    PoolLoader with them (so a bad value fails here, naming where it came from). An
+    option whose default is True or False (`stateful`) takes true/false/1/0, any case."""
+    options, sources, texts = {}, {}, {}
     for name in hook.pool_option_names():
         flag_value, env = getattr(parsed, name), ENV_PREFIX + name.upper()
         if flag_value is not None:
-            options[name], sources[name] = _value(flag_value), f"{_flag(name)} {flag_value}"
+            texts[name], sources[name] = flag_value, f"{_flag(name)} {flag_value}"
         elif environ.get(env, "") != "":
-            options[name], sources[name] = _value(environ[env]), f"{env}={environ[env]}"
+            texts[name], sources[name] = environ[env], f"{env}={environ[env]}"
     defaults = inspect.signature(PoolLoader.__init__).parameters
+    for name, text in texts.items():
+        if isinstance(defaults[name].default, bool):
+            if text.strip().lower() not in _BOOLEANS:
+                _parser().error(f"{sources[name]}: {name} must be one of true, false, 1, 0 "
+                                f"(any case), got {text!r}")
+            options[name] = _BOOLEANS[text.strip().lower()]
+        else:
+            options[name] = _value(text)
     for name, value in options.items():
         default = defaults[name].default
         expected = (int, float) if isinstance(default, float) else type(default)

@@ -48,6 +48,11 @@ Contract of SlotGate (main process, one thread: the one that iterates):
                               error name) and kept in `errors`, and the caller goes on.
                               Do NOT call it when a leased slot is detached: the old
                               mapping stays registered until its release has cooled.
+                              At teardown (the pool's close), a mapping a batch the
+                              user holds still views (a lease) stays registered and
+                              mapped: it is unregistered once its last view died and
+                              a marker taken after that completed (finish_deferred,
+                              at this process's next gate release or iter()).
   release(key)                the batch in `key` was released (iterator, on its next
                               call; never from a weakref callback or finaliser).
   ready() -> [keys]           non-blocking: keys whose marker completed, in release
@@ -77,7 +82,6 @@ from __future__ import annotations
 import bisect
 import os
 import time
-import warnings
 from typing import Any
 
 import torch
@@ -85,7 +89,7 @@ from torch.utils.data._utils.pin_memory import pin_memory as _torch_pin_memory
 
 from poolloader.cuda.runtime import CudaRuntime, torch_runtime
 from poolloader.cuda.staging import DESCEND, DeviceStager, HostStager, map_batch
-from poolloader.errors import CudaRegistrationError
+from poolloader.errors import CudaRegistrationError, warn
 
 # How long the iterator waits for a cooling slot when the pool may not grow (seconds).
 COOL_TIMEOUT_S = 300.0
@@ -103,10 +107,11 @@ def finish_deferred(block: bool = True) -> None:
     """Finish the teardowns that finalisers, atexit or a timed-out close left.
 
     With `block` (when a gate is made, i.e. from `iter(loader)`) it waits, bounded, for
-    a fresh marker and unregisters. Without (any live gate's release(), so an abandoned
-    pool does not hold its memory until the next `iter()`) it only looks: a pool whose
-    batches the user no longer holds is finished once a marker taken after its last
-    view died has completed."""
+    a fresh marker and unregisters, except the mappings a batch the user holds still
+    views (those wait for the look below, once their last view died). Without (any
+    live gate's release(), so an abandoned pool does not hold its memory until the
+    next `iter()`) it only looks: a pool whose batches the user no longer holds is
+    finished once a marker taken after its last view died has completed."""
     for gate in list(_deferred):
         if gate._owner_pid == os.getpid() and gate._finish(block):
             _deferred.remove(gate)
@@ -160,10 +165,14 @@ class SlotGate:
             return False
         if slot is None:
             slot = entry[1]
-        if self._deferring or self._closed and self._parked:
-            # copies may still read it: keep it registered and mapped (an export makes
-            # the pool's retire() leave it mapped) until the teardown can finish
+        if self._deferring or self._closed and self._parked or mapping.leases:
+            # copies may still read it, or a batch the user holds views it (teardown of
+            # a pool whose batch outlives it): keep it registered and mapped (an export
+            # makes the pool's retire() leave it mapped) until the teardown can finish,
+            # for a held batch once its last view died (_finish)
             self._quarantine.append((mapping, slot, memoryview(mapping)))
+            if not self._deferring and self not in _deferred:
+                _deferred.append(self)  # finished by this process's next gate activity
             return False
         del self._registered[mapping.address]
         self._index()
@@ -178,7 +187,7 @@ class SlotGate:
                    f"{mapping.address:#x}) failed with {self._rt.error_name(code)} ({code}); "
                    "the error was cleared and teardown went on")
         self.errors.append(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        warn(message, RuntimeWarning)
         return False
 
     def _index(self) -> None:
@@ -345,10 +354,10 @@ class SlotGate:
         if self._rt.wait_events(self._parked, timeout):
             self._parked = []
         else:
-            warnings.warn(
+            warn(
                 f"PoolLoader: CUDA copies from the pool did not finish within {timeout:.0f} s "
                 "of teardown; its slots stay registered and mapped until a later loader "
-                "starts (or the process exits).", RuntimeWarning, stacklevel=3)
+                "starts (or the process exits).", RuntimeWarning)
             _deferred.append(self)
         return keys
 
@@ -359,19 +368,20 @@ class SlotGate:
 
     def _finish(self, block: bool = True) -> bool:
         """A deferred teardown: wait for what was parked plus a marker, then unregister
-        the quarantined mappings. True when done.
+        the quarantined mappings no held batch views. True when done (none is left).
 
         The marker must follow every copy the user may issue from these mappings: with
         `block` it is taken now and waited for (bounded) with no user code in between;
         without, only once no view but ours is left (nobody can issue a copy any more),
         and it is polled, never waited for."""
         self._deferring = False
+        held = [entry for entry in self._quarantine if _held(entry)]
         if block:
             if not self._rt.wait_events(self._parked + self._marker(), CLOSE_TIMEOUT_S):
                 return False
+            self._parked = []  # waited for: the held mappings need a marker of their own
         else:
-            if any(mapping.exports > 1 or mapping.leases
-                   for mapping, _slot, _view in self._quarantine):
+            if held:
                 return False  # the user still holds batches of this pool
             if self._final is None:
                 self._final = self._parked + self._marker()
@@ -381,13 +391,23 @@ class SlotGate:
                 return False
         self._parked = []
         self._final = None
-        quarantine, self._quarantine = self._quarantine, []
-        for mapping, slot, view in quarantine:
+        quarantine, self._quarantine = self._quarantine, held
+        for entry in quarantine:
+            if any(entry is h for h in held):
+                continue  # a batch the user holds views it: stays page-locked and mapped
+            mapping, slot, view = entry
             view.release()
             self._registered.pop(mapping.address, None)
             self._unregister_now(mapping, slot)
         self._index()
-        return True
+        return not held
+
+
+def _held(entry) -> bool:
+    """Whether a quarantined (mapping, slot, view) is still viewed by a batch the user
+    holds (a lease, or an export besides the quarantine's own view)."""
+    mapping = entry[0]
+    return bool(mapping.exports > 1 or mapping.leases)
 
 
 def setup(loader, pin_memory: bool, pin_memory_device=None):

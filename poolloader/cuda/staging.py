@@ -170,7 +170,10 @@ class DeviceStager:
             if self._host_done:
                 raise StopIteration
             self._staged = self._stage(get_host_batch())
-        ticket = self._staged  # stays staged until delivered: a teardown meanwhile covers its copy
+        # stays staged until delivered: a teardown meanwhile covers its copy. Not its host
+        # batch: a teardown while the next one is fetched (the epoch's end) drops that
+        # (close()), so the pool unregisters the slot then, as no user view holds it
+        ticket = self._staged[:2]
         following = None
         try:
             following = self._stage(get_host_batch())
@@ -209,7 +212,7 @@ class DeviceStager:
         return (dev, self._last_copy, host_batch)
 
     def _deliver(self, ticket):
-        dev, event, _host = ticket
+        dev, event = ticket
         if event is not None:
             current = self._rt.current_stream(self.device)
             self._rt.stream_wait(current, event)

@@ -20,11 +20,10 @@ hook in poolloader.shm.fork) is detached when its batch is released, never reuse
 from __future__ import annotations
 
 import collections
-import warnings
 from typing import NamedTuple
 
 from poolloader.cuda.gate import COOL_TIMEOUT_S
-from poolloader.errors import ShmSpaceError, SlotCorrupt
+from poolloader.errors import ShmSpaceError, SlotCorrupt, warn
 from poolloader.shm.pool import SlotPool
 from poolloader.shm.segments import page_round, retire
 from poolloader.wire import slot_format as fmt
@@ -186,12 +185,11 @@ class SlotLedger:
         self.stats.detaches += 1
         if not self._warned_detach:
             self._warned_detach = True
-            warnings.warn(
+            warn(
                 f"PoolLoader: the consumer still holds batches in all {self.pool.num_slots} "
                 "slots; the oldest ones are detached from the pool (they stay valid and are "
                 "freed when dropped) and their slots get new shared memory. That costs a new "
-                "segment per batch: pass a larger slots= if you keep batches on purpose.",
-                stacklevel=5)
+                "segment per batch: pass a larger slots= if you keep batches on purpose.")
         return slot
 
     def _add(self) -> int:

@@ -2,10 +2,9 @@
 StatefulDataLoader's single-process layout (see keys.py for the design)."""
 from __future__ import annotations
 
-import warnings
-
 from torch.utils.data.dataloader import _DatasetKind, _SingleProcessDataLoaderIter
 
+from poolloader.errors import warn
 from poolloader.resume import keys
 from poolloader.resume.tracker import continues_epoch
 
@@ -75,11 +74,11 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
             elif dataset_state is not None and keys.is_stateful(self._dataset):
                 fetcher.ended = bool(fetcher_state.get(keys.FETCHER_ENDED, False))
             elif self._num_yielded:
-                warnings.warn(
+                warn(
                     "PoolLoader resume: the IterableDataset has no state_dict()/load_state_dict(), so "
                     f"its first {self._num_yielded} batches are fetched again and dropped to get back "
                     "to where it was. Implement them on the dataset (or its iterator) to resume "
-                    "without the replay.", stacklevel=5)
+                    "without the replay.")
                 index = next(iter(self._index_sampler))
                 for _ in range(self._num_yielded):
                     try:

@@ -11,13 +11,13 @@ them on itself.
 from __future__ import annotations
 
 import collections
-import warnings
 from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
 from torch.utils.data.dataloader import _DatasetKind
 
+from poolloader.errors import warn
 from poolloader.resume.keys import (
     BASE_SEED,
     DATASET_ITER_STATE,
@@ -370,11 +370,11 @@ class ResumePlan:
                        if s and s.get(DATASET_STATE) is None
                        and (s.get(FETCHER_STATE) or {}).get(DATASET_ITER_STATE) is None]
             if any(replays) and not is_stateful(loader.dataset):
-                warnings.warn(
+                warn(
                     "PoolLoader resume: the IterableDataset has no state_dict()/load_state_dict(), so "
                     f"each worker replays the batches it fetched this epoch (up to {max(replays)}) to "
                     "get back to where it was. Implement them on the dataset (or its iterator) "
-                    "to resume without the replay.", stacklevel=3)
+                    "to resume without the replay.")
 
     def worker_snapshot(self, worker: int) -> dict:
         return self.workers.get(worker_key(worker)) or {WORKER_ID: worker}

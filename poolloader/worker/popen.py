@@ -11,7 +11,9 @@ descriptor per worker. There is no public way to start a Process without them, s
   children keep theirs: their exit code arrives through it.
 * worker (`parent_process_through`): multiprocessing's `parent_process()` answers
   `is_alive()`/`join()` from the pipe main just closed, so it would read main as dead;
-  it is replaced by one that asks the pool's owner probe, as DataLoader's answers.
+  it is replaced by one that asks the pool's owner probe, as DataLoader's answers,
+  and whose `sentinel` (that pipe's end, ready at once) is a descriptor that reads as
+  ready only once main is gone (`_main_sentinel`).
 
 Nothing else in poolloader touches `Process._popen`, `Popen.sentinel`, `finalizer` or
 `multiprocessing.process._parent_process`.
@@ -19,9 +21,12 @@ Nothing else in poolloader touches `Process._popen`, `Popen.sentinel`, `finalize
 from __future__ import annotations
 
 import multiprocessing.process
+import os
+import threading
 import time
-import warnings
 from pickle import PicklingError
+
+from poolloader.errors import warn
 
 # Start methods whose Popen.poll() uses waitpid, not the sentinel pipe.
 _WAITPID_POPENS = ("multiprocessing.popen_fork", "multiprocessing.popen_spawn_posix")
@@ -35,13 +40,12 @@ def start_without_pipes(ctx, target, args):
     try:
         process.start()
     except (TypeError, AttributeError, PicklingError):
-        warnings.warn(
+        warn(  # at the user's line (the caller of iter(loader))
             "Got pickle error when attempting to start a worker Process. "
             "This might be because the worker Process arguments are not picklable. "
             "Python 3.14+ changed the multiprocessing start method in non-Mac POSIX platforms "
             "to 'forkserver', which requires the worker Process arguments to be picklable. "
-            "You can also try multiprocessing.set_start_method('fork').",
-            stacklevel=5)  # the caller of iter(loader)
+            "You can also try multiprocessing.set_start_method('fork').")
         raise
     popen = process._popen
     if type(popen).__module__ in _WAITPID_POPENS and getattr(popen, "finalizer", None):
@@ -69,14 +73,56 @@ def _poll_wait(popen, timeout=None):
         pause = min(pause * 2, 0.02)
 
 
+# How often the fallback sentinel's thread asks whether main lives (seconds).
+_WATCH_TICK = 0.25
+
+
+def _main_sentinel(pid: int, owner) -> int:
+    """A descriptor that reads as ready once main (`pid`, whose life `owner.is_alive()`
+    tells) is gone, as multiprocessing's sentinel pipe under DataLoader: a pidfd of main,
+    checked against the owner probe after it was opened (so a pid reused after main died
+    is never watched); where pidfd_open is not allowed (Linux < 5.3, a seccomp filter),
+    a pipe whose write end a daemon thread closes when the probe says main is gone."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        fd = None
+    if fd is not None:
+        if owner.is_alive():
+            return fd  # main lived after the open: the pidfd is main's
+        os.close(fd)
+    read, write = os.pipe()
+    if not owner.is_alive():
+        os.close(write)  # main is gone: ready at once
+        return read
+
+    def watch() -> None:
+        while owner.is_alive():
+            time.sleep(_WATCH_TICK)
+        os.close(write)
+
+    threading.Thread(target=watch, name="poolloader-parent-sentinel", daemon=True).start()
+    return read
+
+
 class _ParentThroughOwner(multiprocessing.process._ParentProcess):  # type: ignore[name-defined]
-    """A worker's parent_process(): same name, pid and sentinel as multiprocessing's;
-    is_alive() and join() ask `owner` whether main lives (its `sentinel` still reads
-    as closed: nothing holds the other end)."""
+    """A worker's parent_process(): same name and pid as multiprocessing's; is_alive()
+    and join() ask `owner` whether main lives, and `sentinel` is not ready while it does
+    (made on first use: multiprocessing's reads as ready, since main closed the other
+    end of its pipe)."""
 
     def __init__(self, name, pid, sentinel, owner) -> None:
         super().__init__(name, pid, sentinel)
         self._owner = owner
+        self._watched: int | None = None
+        self._watch_lock = threading.Lock()
+
+    @property
+    def sentinel(self) -> int:
+        with self._watch_lock:
+            if self._watched is None:
+                self._watched = _main_sentinel(self.pid, self._owner)
+            return self._watched
 
     def is_alive(self) -> bool:
         return self._owner.is_alive()
