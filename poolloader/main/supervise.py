@@ -1,9 +1,10 @@
 """Worker processes: start, watch, wait for, stop — the teardown ladder in one place.
 
-Main keeps no pipe per worker (invariant 2): a worker is started by
-poolloader.worker.popen, the one adapter over CPython's multiprocessing internals,
-which closes the parent's pipe ends and keeps `join(timeout)`, `is_alive()` and
-`exitcode` working.
+Main keeps no pipe per worker (invariant 2), under fork, spawn and forkserver: a
+worker is started by poolloader.worker.popen, the one adapter over CPython's
+multiprocessing internals, which closes the parent's descriptors and keeps
+`join(timeout)`, `is_alive()` and `exitcode` working (a forkserver worker's exit code
+only while the forkserver has not reaped it: otherwise the death is reported without it).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import warnings
 import weakref
 
 from poolloader.errors import StallWarning, WorkerDied
+from poolloader.worker.popen import exit_unknown
 
 # How long shutdown waits for workers to leave by themselves before terminating them.
 JOIN_TIMEOUT = 1.0
@@ -90,13 +92,18 @@ def check_alive(processes) -> None:
     for i, w in enumerate(processes):
         if not w.is_alive():
             code = w.exitcode
+            how = describe_exit(code)
+            if exit_unknown(w):
+                code = None
+                how = ("an exit status main cannot know (a forkserver worker is the "
+                       "forkserver's child, which reaped it)")
             if code is not None and code < 0:
                 head = f"DataLoader worker (pid {w.pid}) is killed by signal: {_strsignal(-code)}. "
             else:
                 head = f"DataLoader worker (pid {w.pid}) exited unexpectedly. "
             raise WorkerDied(
                 f"{head}PoolLoader worker {i} (pid {w.pid}) exited unexpectedly with "
-                f"{describe_exit(code)}. If it was killed for memory (signal 9), lower "
+                f"{how}. If it was killed for memory (signal 9), lower "
                 "num_workers or batch_size; run with num_workers=0 to see the error in "
                 "the main process.")
 
