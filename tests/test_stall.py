@@ -1,8 +1,11 @@
 """Stall reports: a stuck worker is shown (pid, samples, since when, the blocking line),
 on timeout as the error and without timeout as a warning, with real worker processes."""
+import functools
 import gc
 import multiprocessing
+import os
 import re
+import signal
 import threading
 import time
 import warnings
@@ -10,9 +13,11 @@ import weakref
 
 import diagnose_datasets as dd
 import pytest
+from helpers import wait_until
 
 from poolloader import PoolLoader, StallWarning
-from poolloader.worker.stall import busy_stamp, format_dump, read_stamp
+from poolloader.worker import stall
+from poolloader.worker.stall import STACK_SIGNAL, busy_stamp, format_dump, read_stamp
 
 
 def line_of(marker):
@@ -189,3 +194,114 @@ def test_a_dropped_iterator_is_freed_at_once():
         assert ref() is None
     finally:
         gc.enable()
+
+
+# -- the stack signal: whom it reaches, and whose handler it calls -----------------------
+
+def _record_signal(path, signum, frame):
+    with open(path, "a") as f:
+        f.write(f"{os.getpid()}\n")
+
+
+def _recorded(path) -> set[int]:
+    try:
+        with open(path) as f:
+            return {int(line) for line in f if line.strip()}
+    except FileNotFoundError:
+        return set()
+
+
+def _take_stack_signal(path, worker_id):
+    """worker_init_fn: worker 0 installs its own handler for the stack signal."""
+    if worker_id == 0:
+        signal.signal(STACK_SIGNAL, functools.partial(_record_signal, path))
+
+
+def _ignore_stack_signal_in_c(path, worker_id):
+    """worker_init_fn: worker 0 sets SIG_IGN for the stack signal through libc (not
+    through Python's signal module, which poolloader watches)."""
+    import ctypes
+    if worker_id == 0:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.signal.restype = ctypes.c_void_p
+        libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+        libc.signal(STACK_SIGNAL, 1)  # SIG_IGN
+
+
+def _stack_file_text(pid) -> bytes:
+    path = stall._dump_file(pid)
+    assert path is not None, f"worker {pid} has no stack file"
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _two_stalled_workers(ctx, **kw):
+    """Batch 0 (worker 0) blocks on sample 1, batch 1 (worker 1) on sample 4."""
+    gates = {1: ctx.Event(), 4: ctx.Event()}
+    loader = PoolLoader(dd.BlockOnSample(gates, n=12), batch_size=3, num_workers=2,
+                        timeout=3, multiprocessing_context=ctx, **kw)
+    return loader, gates
+
+
+def test_only_the_worker_whose_batch_is_waited_for_is_signalled():
+    ctx = multiprocessing.get_context("fork")
+    loader, gates = _two_stalled_workers(ctx)
+    it = iter(loader)
+    try:
+        with pytest.raises(RuntimeError) as info:
+            next(it)
+        w0, w1 = it.worker_pids
+        other = _stack_file_text(w1)
+    finally:
+        for gate in gates.values():
+            gate.set()
+    message = str(info.value)
+    assert f"worker 0 (pid {w0}): on batch 0" in message, message
+    assert blocking_frame() in message, message
+    assert f"worker 1 (pid {w1}): on batch 1" in message, message
+    assert "no stack: not signalled (only worker 0, whose batch 0 is waited for, is)" in message
+    assert b"most recent call first" not in other, other  # worker 1 never dumped
+    assert [int(b[0]) for b in it] == [0, 3, 6, 9]
+
+
+@pytest.mark.parametrize("how,what", [(_take_stack_signal, "the Python handler "),
+                                      (_ignore_stack_signal_in_c, "SIG_IGN")])
+def test_a_worker_with_its_own_handler_for_the_signal_is_not_signalled(tmp_path, how, what):
+    ctx = multiprocessing.get_context("fork")
+    record = str(tmp_path / "calls")
+    gate = ctx.Event()
+    loader = PoolLoader(dd.BlockOnSample({1: gate}, n=12), batch_size=3, num_workers=2,
+                        timeout=3, multiprocessing_context=ctx,
+                        worker_init_fn=functools.partial(how, record))
+    message, pid = _timeout_report(loader, gate, next)
+    assert f"worker 0 (pid {pid}): on batch 0" in message, message
+    assert (f"no stack: the worker installed its own handler for signal {STACK_SIGNAL} "
+            f"(SIGRTMIN+7, the stack signal): {what}") in message, message
+    assert "it was not signalled" in message
+    assert pid not in _recorded(record), "the worker's own handler was called"
+
+
+def test_a_handler_inherited_from_main_is_chained(tmp_path):
+    ctx = multiprocessing.get_context("fork")
+    record = str(tmp_path / "calls")
+    gate = ctx.Event()
+    loader = PoolLoader(dd.BlockOnSample({1: gate}, n=12), batch_size=3, num_workers=2,
+                        timeout=3, multiprocessing_context=ctx)
+    previous = signal.signal(STACK_SIGNAL, functools.partial(_record_signal, record))
+    try:
+        it = iter(loader)  # the fork workers inherit main's handler
+    finally:
+        signal.signal(STACK_SIGNAL, previous)
+    try:
+        with pytest.raises(RuntimeError) as info:
+            next(it)
+        pid = it.worker_pids[0]
+        # the inherited handler runs in the worker after the dump (its wait is interrupted)
+        called = wait_until(lambda: pid in _recorded(record), 10)
+    finally:
+        gate.set()
+    message = str(info.value)
+    assert blocking_frame() in message, message  # poolloader's own work first
+    assert called, "the handler the worker inherited from main was not called"
+    assert _recorded(record) == {pid}  # only the signalled worker
+    assert [int(b[0]) for b in it] == [0, 3, 6, 9]

@@ -1,9 +1,10 @@
 """Worker processes: start, watch, wait for, stop — the teardown ladder in one place.
 
-Main keeps no pipe per worker (invariant 2): a worker is started by
+Main keeps no pipe per fork or spawn worker (invariant 2), and one per forkserver
+worker, the pipe its exit status arrives through: a worker is started by
 poolloader.worker.popen, the one adapter over CPython's multiprocessing internals,
-which closes the parent's pipe ends and keeps `join(timeout)`, `is_alive()` and
-`exitcode` working.
+which closes the parent's other descriptors and keeps `join(timeout)`, `is_alive()`
+and `exitcode` working.
 """
 from __future__ import annotations
 

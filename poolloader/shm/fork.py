@@ -16,28 +16,57 @@ DataLoader batch:
   keeps a dead main's pool "alive" nor holds its memory. A raw C fork() without exec
   runs neither hook.
 
-Everything in poolloader that keeps such a descriptor registers it with `hold` and
-closes it with `release`.
+Everything in poolloader that keeps such a descriptor creates it inside `creating()`
+and registers it there with `hold`, and closes it with `release`. The registry is
+atomic with both: `creating()` and `release` hold the registry's lock, and so does a
+fork (taken by the before-fork hook, released on both sides after it), so a fork from
+another thread happens either before the descriptor exists or after it is recorded,
+and either before a release or after the number is closed and forgotten: a child never
+keeps a descriptor created but not yet recorded, nor closes a reused number that is
+still recorded. (The lock is reentrant: a fork from a signal handler that interrupted
+the registering thread inside the lock does not deadlock; that one fork is not atomic.)
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
+from collections.abc import Iterator
 
 from poolloader.shm._shm import share_leased_with_children
 
 _held_fds: set[int] = set()  # descriptors this process keeps for its live pools
+_lock = threading.RLock()  # over _held_fds, the creations and releases; held across a fork
+
+
+@contextlib.contextmanager
+def creating() -> Iterator[None]:
+    """Create a pool descriptor and `hold` it inside this block: no fork comes between."""
+    with _lock:
+        yield
 
 
 def hold(fd: int) -> None:
     """Record a descriptor main keeps for a pool, so that a child of os.fork() closes
-    its copy at once."""
-    _held_fds.add(fd)
+    its copy at once. Call it inside `creating()`, with the call that made `fd`."""
+    with _lock:
+        _held_fds.add(fd)
 
 
 def release(fd: int) -> None:
     """Close a descriptor recorded with `hold` (an owner lock goes with it)."""
-    _held_fds.discard(fd)
-    os.close(fd)
+    with _lock:
+        _held_fds.discard(fd)
+        os.close(fd)
+
+
+def _before_fork() -> None:
+    _lock.acquire()
+    share_leased_with_children()
+
+
+def _after_in_parent() -> None:
+    _lock.release()
 
 
 def _close_inherited() -> None:
@@ -47,6 +76,8 @@ def _close_inherited() -> None:
         except OSError:
             pass
     _held_fds.clear()
+    _lock.release()  # this thread took it before the fork: it is the child's only one
 
 
-os.register_at_fork(before=share_leased_with_children, after_in_child=_close_inherited)
+os.register_at_fork(before=_before_fork, after_in_parent=_after_in_parent,
+                    after_in_child=_close_inherited)

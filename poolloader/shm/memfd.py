@@ -171,7 +171,9 @@ def create(nbytes: int, what: str, label: str, dontfork: bool = True) -> tuple[M
 
     The caller keeps the descriptor (registered with fork.hold) until every
     worker has opened it, then closes it with fork.release."""
-    fd = os.memfd_create(f"{NAME}-{label}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    with fork.creating():  # no fork between the descriptor's creation and its record
+        fd = os.memfd_create(f"{NAME}-{label}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        fork.hold(fd)
     try:
         os.ftruncate(fd, nbytes)
         try:
@@ -186,9 +188,8 @@ def create(nbytes: int, what: str, label: str, dontfork: bool = True) -> tuple[M
         mapping = Mapping(fd, nbytes, dontfork)
         inode = os.fstat(fd).st_ino
     except BaseException:
-        os.close(fd)
+        fork.release(fd)
         raise
-    fork.hold(fd)
     return mapping, fd, inode
 
 

@@ -219,7 +219,9 @@ def _create(name: str, nbytes: int, what: str, pool_bytes: int, limit: int | Non
             "Raise the cap, or lower slot_bytes, prefetch_factor or num_workers.")
     if nbytes > free:
         raise space_error(nbytes, free, what)
-    shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=nbytes)
+    with fork.creating():  # no fork between the descriptor's creation and its record
+        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=nbytes)
+        fork.hold(shm.fd)
     keep_fd = False
     try:
         # A sweeper may have opened the name before we locked it: then it holds the
@@ -241,7 +243,7 @@ def _create(name: str, nbytes: int, what: str, pool_bytes: int, limit: int | Non
         raise
     finally:
         if not keep_fd:
-            shm.close_fd()
+            fork.release(shm.fd)  # os.close of it: posix_ipc keeps no other copy
 
 
 def _same_file(path: str, fd: int) -> bool:
@@ -292,8 +294,7 @@ def claim_control(owner_pid: int, nbytes: int, limit: int | None) -> tuple[str, 
                                   dontfork=True, claim=True)
         except _NameLost:
             continue
-        assert fd is not None
-        fork.hold(fd)
+        assert fd is not None  # held since its creation (_create)
         return prefix, mapping, fd
     raise RuntimeError(f"internal error: {_CLAIM_TRIES} new control segments in a row were "
                        "unlinked by other processes before this one could lock them")

@@ -129,6 +129,7 @@ def worker_loop(cfg: WorkerConfig) -> None:
             fetcher = progress.first_fetcher(new_fetcher)
         except Exception:
             init_exception = ExceptionWrapper(where=f"in DataLoader worker process {cfg.worker_id}")
+        stall.check_handler()  # init_fn may have taken the stack signal for itself
 
         writer = codec.SlotWriter()
         epoch = 0
@@ -146,6 +147,7 @@ def worker_loop(cfg: WorkerConfig) -> None:
                     slots.unlink_all()
                     return
                 _sync(slots, writer)
+                stall.check_handler()
                 continue
             except RingClosed:
                 return

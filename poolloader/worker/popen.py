@@ -1,14 +1,19 @@
 """The one adapter over CPython's multiprocessing internals, for both ends of a worker.
 
-Why it reaches in: multiprocessing keeps two pipe ends in the parent for each fork or
-spawn child, serving only `Process.join(timeout)` and the child's `parent_process()`;
-32 workers would need 64 descriptors in main, and invariant 2 says main keeps no
-descriptor per worker. There is no public way to start a Process without them, so:
+Why it reaches in: multiprocessing keeps two descriptors in the parent for each child,
+serving only `Process.join(timeout)`, the exit code and the child's `parent_process()`
+(fork and spawn: the sentinel pipe and the write end of the pipe the child watches;
+forkserver: the pipe the forkserver writes the exit status into and a dup of the start
+pipe's write end); 32 workers would need 64 descriptors in main. There is no public way
+to start a Process without them, so:
 
-* main (`start_without_pipes`): right after `start()`, the parent's ends are closed
-  and the process object's wait becomes waitpid polling, so `join(timeout)`,
-  `is_alive()` and `exitcode` still work for any code that calls them. Forkserver
-  children keep theirs: their exit code arrives through it.
+* main (`start_without_pipes`): right after `start()`, the parent's descriptors are
+  closed and the process object's wait becomes waitpid polling, so `join(timeout)`,
+  `is_alive()` and `exitcode` still work for any code that calls them. A forkserver
+  child is the forkserver's, not main's: main cannot waitpid it, and its exit status
+  (the signal of an OOM kill) reaches main only through the status pipe, so that one
+  descriptor per forkserver worker stays (invariant 2's one exception: DataLoader's
+  forkserver workers keep it too, plus the start pipe's dup, which is closed here).
 * worker (`parent_process_through`): multiprocessing's `parent_process()` answers
   `is_alive()`/`join()` from the pipe main just closed, so it would read main as dead;
   it is replaced by one that asks the pool's owner probe, as DataLoader's answers,
@@ -30,6 +35,7 @@ from poolloader.errors import warn
 
 # Start methods whose Popen.poll() uses waitpid, not the sentinel pipe.
 _WAITPID_POPENS = ("multiprocessing.popen_fork", "multiprocessing.popen_spawn_posix")
+_FORKSERVER_POPEN = "multiprocessing.popen_forkserver"
 
 
 def start_without_pipes(ctx, target, args):
@@ -53,7 +59,25 @@ def start_without_pipes(ctx, target, args):
         popen.sentinel = None
         process._sentinel = None
         popen.wait = lambda timeout=None: _poll_wait(popen, timeout)
+    elif type(popen).__module__ == _FORKSERVER_POPEN and getattr(popen, "finalizer", None):
+        _drop_start_pipe_dup(popen)
     return process
+
+
+def _drop_start_pipe_dup(popen) -> None:
+    """Close the dup of a forkserver child's start pipe that its Popen keeps (it only
+    keeps the child's own `parent_process().sentinel` from reading as ready, which
+    `parent_process_through` answers instead); the status pipe stays (module
+    docstring). The finalizer then closes that one alone."""
+    from multiprocessing import util
+
+    fds = getattr(popen.finalizer, "_args", ())
+    if len(fds) != 2 or fds[1] != popen.sentinel:
+        return  # another Python's layout: keep both, as multiprocessing does
+    start_dup, status = fds
+    popen.finalizer.cancel()
+    os.close(start_dup)
+    popen.finalizer = util.Finalize(popen, util.close_fds, (status,))
 
 
 def _poll_wait(popen, timeout=None):

@@ -10,7 +10,16 @@ store:
   system call (a lock, a socket read, a hung NFS file) holding the GIL or not,
   where a Python-level signal handler would never run. STACK_SIGNAL is a real-time
   signal: torch's workers use SIGBUS/SIGSEGV/SIGFPE/SIGTERM, schedulers send
-  SIGUSR1/SIGUSR2 (SLURM, Lightning's requeue), nothing sends this one.
+  SIGUSR1/SIGUSR2 (SLURM, Lightning's requeue), nothing sends this one. Like any
+  signal it can end a blocking system call early with EINTR (poll, select, sleeps and
+  waits with a timeout always; with a chained handler, below, any): Python's own calls
+  retry, a C library that does not retry sees the error.
+  A handler the worker inherited for STACK_SIGNAL (from main, under fork) is chained:
+  called after the dump. The memfd starts with a HEADER_BYTES status block: if a
+  handler other than poolloader's is installed for STACK_SIGNAL later in the worker
+  (`signal.signal` is watched; the handler itself is checked after worker_init_fn
+  and at every idle tick, `check_handler()`), the block says so and whose, and main
+  does not send the signal.
 * `busy_stamp()` is what the worker writes into column [3] of its worker_stats row
   (poolloader.shm.control) when it starts on a request: the slot it is on and when it
   started (CLOCK_MONOTONIC, one clock for every process).
@@ -20,10 +29,12 @@ Main side, only when a wait has lasted its `timeout` or `stall_warning`:
 reference to the sample indices it sent), since when, and its stack. Main reads the
 worker's memfd through /proc/<pid>/fd/<n>, which needs only the read access a
 same-user process has to another's /proc entries (Yama's ptrace_scope restricts
-PTRACE_ATTACH, not this). A worker is signalled only if /proc/<pid>/status shows
-it catches STACK_SIGNAL, so a worker still starting up is never killed by the
-signal's default action. Main waits at most DUMP_WAIT_S for the dumps, all workers
-in parallel.
+PTRACE_ATTACH, not this). Only the worker whose batch is waited for (the oldest
+request in flight: in order, the one next() must return) is signalled, and only if
+/proc/<pid>/status shows it catches STACK_SIGNAL (a worker still starting up is never
+killed by the signal's default action) and its status block shows poolloader's
+handler; the others are described without a stack. Main waits at most DUMP_WAIT_S
+for the dump.
 """
 from __future__ import annotations
 
@@ -43,6 +54,10 @@ MAX_FRAMES = 12
 MAX_INDICES = 32
 
 _MEMFD_PREFIX = "poolloader-stack-"
+# The stack file's status block (dumps follow it): byte 0 is 1 while a handler other
+# than poolloader's is installed for STACK_SIGNAL, then what it is (UTF-8, NUL-padded).
+HEADER_BYTES = 256
+_SIG_DFL, _SIG_IGN = 0, 1  # sa_handler values
 # busy stamp: (slot + 1) << _SLOT_SHIFT | start time in µs modulo 2**_SLOT_SHIFT
 # (8.9 years of uptime); slot field 0: unknown (a slot index past 2**16 - 2).
 _SLOT_SHIFT = 48
@@ -52,18 +67,99 @@ _MAX_SLOT_FIELD = (1 << 16) - 1
 
 # -- worker side --------------------------------------------------------------------
 
+class _Dumper:
+    """This worker's stack file and the address of poolloader's handler in it."""
+
+    def __init__(self, fd: int, ours: int | None) -> None:
+        self.fd = fd
+        self.ours = ours
+        self.foreign: bytes = b""  # what the status block says now (b"": ours)
+
+
+_dumper: _Dumper | None = None
+_libc_sigaction = None  # libc's sigaction through ctypes, and its out buffer
+_plain_signal = signal.signal  # signal.signal before install_dumper watched it
+
+
+def _handler_address(signum: int) -> int | None:
+    """sa_handler of `signum` in this process (0: SIG_DFL, 1: SIG_IGN), from libc's
+    sigaction; None where it cannot be asked."""
+    global _libc_sigaction
+    try:
+        if _libc_sigaction is None:
+            import ctypes
+            _libc_sigaction = (ctypes.CDLL(None, use_errno=True).sigaction,
+                               ctypes.create_string_buffer(512), ctypes.c_void_p)
+        sigaction, out, pointer = _libc_sigaction
+        if sigaction(signum, None, out) != 0:
+            return None
+        return pointer.from_buffer(out).value or 0  # sa_handler comes first
+    except Exception:
+        return None
+
+
 def install_dumper(worker_id: int) -> None:
     """In a worker, before anything that may block: dump stacks on STACK_SIGNAL into a
-    memfd this process owns (kept open for its life). Best effort: without memfd
-    support the stall report shows no stack, and nothing else changes."""
+    memfd this process owns (kept open for its life), chaining a handler inherited for
+    it. Best effort: without memfd support the stall report shows no stack, and
+    nothing else changes."""
+    global _dumper
     try:
         fd = os.memfd_create(f"{_MEMFD_PREFIX}{worker_id}", os.MFD_CLOEXEC)
     except (AttributeError, OSError):
         return
     try:
-        faulthandler.register(STACK_SIGNAL, file=fd, all_threads=True, chain=False)
+        os.pwrite(fd, bytes(HEADER_BYTES), 0)
+        os.lseek(fd, HEADER_BYTES, os.SEEK_SET)  # faulthandler writes after the status block
+        inherited = _handler_address(STACK_SIGNAL)
+        if inherited is None:  # cannot ask libc: what Python knows
+            chain = callable(signal.getsignal(STACK_SIGNAL))
+        else:
+            chain = inherited not in (_SIG_DFL, _SIG_IGN)  # chaining SIG_DFL would kill
+        faulthandler.register(STACK_SIGNAL, file=fd, all_threads=True, chain=chain)
     except (OSError, RuntimeError, ValueError):
         os.close(fd)
+        return
+    _dumper = _Dumper(fd, _handler_address(STACK_SIGNAL))
+    signal.signal = _watched_signal  # a later handler for STACK_SIGNAL is seen at once
+
+
+def _watched_signal(signalnum, handler):
+    try:
+        return _plain_signal(signalnum, handler)
+    finally:
+        check_handler()
+
+
+def check_handler() -> None:
+    """In a worker: write in the status block whether poolloader's handler is still the
+    one for STACK_SIGNAL (main signals the worker only then). One sigaction call."""
+    dumper = _dumper
+    if dumper is None or dumper.ours is None:
+        return
+    now = _handler_address(STACK_SIGNAL)
+    if now is None or now == dumper.ours:
+        foreign = b""
+    else:
+        foreign = b"\x01" + _describe_handler(now).encode("utf-8", "replace")[:HEADER_BYTES - 1]
+    if foreign != dumper.foreign:
+        try:
+            os.pwrite(dumper.fd, foreign.ljust(HEADER_BYTES, b"\0"), 0)
+        except OSError:
+            return
+        dumper.foreign = foreign
+
+
+def _describe_handler(address: int) -> str:
+    if address == _SIG_DFL:
+        return "SIG_DFL"
+    if address == _SIG_IGN:
+        return "SIG_IGN"
+    python = signal.getsignal(STACK_SIGNAL)
+    if callable(python):
+        name = getattr(python, "__qualname__", None) or repr(python)
+        return f"the Python handler {getattr(python, '__module__', '?')}.{name}"
+    return f"a handler at {address:#x} installed outside Python"
 
 
 def busy_stamp(slot: int, since_ns: int) -> int:
@@ -127,13 +223,18 @@ def report(workers, worker_stats, inflight: dict, sent: dict) -> str:
     owed = owed_work(workers, worker_stats, inflight, sent)
     if not owed:
         return "No worker owes a batch (main is waiting for nothing: an internal error)."
-    stacks = dump_stacks([w.pid for w in owed if w.pid is not None])
+    # the batch waited for: the oldest in flight (in order, the one next() must return)
+    target = min(owed, key=lambda w: w.requests[0][0])
+    stacks = dump_stacks([target.pid] if target.pid is not None else [])
     n = len(owed)
     lines = [f"{n} worker{'s' if n != 1 else ''} owe{'s' if n == 1 else ''} a batch "
              f"(stacks are most recent call first):"]
     for w in owed:
         lines.append(f"  worker {w.worker} (pid {w.pid}): {_describe(w)}")
         stack = stacks.get(w.pid) if w.pid is not None else None
+        if w is not target:
+            stack = (f"no stack: not signalled (only worker {target.worker}, whose batch "
+                     f"{target.requests[0][0]} is waited for, is)")
         lines.extend("    " + line for line in (stack or "no stack").splitlines())
     return "\n".join(lines)
 
@@ -173,19 +274,32 @@ def dump_stacks(pids: list[int], wait_s: float = DUMP_WAIT_S) -> dict[int, str]:
     out: dict[int, str] = {}
     files: dict[int, tuple[int, int]] = {}  # pid -> (fd, size before the signal)
     for pid in pids:
+        fd = None
         try:
+            path = _dump_file(pid)
+            if path is not None:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                status = os.pread(fd, HEADER_BYTES, 0)
+                if status[:1] == b"\x01":
+                    what = status[1:].rstrip(b"\0").decode("utf-8", "replace")
+                    out[pid] = (f"no stack: the worker installed its own handler for signal "
+                                f"{STACK_SIGNAL} (SIGRTMIN+{STACK_SIGNAL - int(signal.SIGRTMIN)}"
+                                f", the stack signal): {what}; it was not signalled")
+                    continue
             if not _catches(pid, STACK_SIGNAL):
                 out[pid] = "no stack: the worker has not installed its stack dumper (still starting?)"
                 continue
-            path = _dump_file(pid)
-            if path is None:
+            if fd is None:
                 out[pid] = "no stack: the worker has no stack file (memfd_create unavailable?)"
                 continue
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             files[pid] = (fd, os.fstat(fd).st_size)
+            fd = None  # closed below
             os.kill(pid, STACK_SIGNAL)
         except OSError as e:
             out[pid] = f"no stack: {e}"
+        finally:
+            if fd is not None:
+                os.close(fd)
     try:
         sizes = {pid: start for pid, (_fd, start) in files.items()}
         settled_at = {pid: 0.0 for pid in files}  # when its size last changed
