@@ -294,8 +294,7 @@ def test_dropped_detached_batches_are_unmapped_when_dropped():
                         shm_backend="memfd")
     with pytest.warns(UserWarning, match="detached"):
         held = list(loader)
-    it = loader._iterator
-    pool = it._pool
+    pool = loader._iterator._pool
 
     def beyond_pool() -> int:  # memfd bytes mapped here that are not the pool's
         mapped = sum(proc.memfd_segments("self").values())
@@ -309,5 +308,3 @@ def test_dropped_detached_batches_are_unmapped_when_dropped():
     ref = [b[0] for b in DataLoader(data, batch_size=2)]
     got = [b[0].clone() for b in loader]
     assert_same(ref, got)
-    del it, pool, loader
-    gc.collect()
