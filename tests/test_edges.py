@@ -3,6 +3,7 @@ test as the reference, real workers, real shared memory, bounded waits."""
 from __future__ import annotations
 
 import gc
+import inspect
 import os
 import pickle
 import re
@@ -18,6 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from poolloader import PoolLoader, WorkerDied
 from poolloader.errors import ShmSpaceError
+from poolloader.main.iterator import PoolLoaderIter
 
 BOTH = (DataLoader, PoolLoader)
 
@@ -292,10 +294,13 @@ def test_worker_objects_still_join_and_report_exit_codes():
 
 class _Interrupt:
     """A trace function that raises KeyboardInterrupt once, at a chosen line of a chosen
-    function: an asynchronous exception placed exactly, without mocking anything."""
+    function (`after=True`: at the next line it runs after that one, i.e. as soon as
+    that line's calls returned): an asynchronous exception placed exactly, where a
+    signal handler's could land, without mocking anything."""
 
-    def __init__(self, code, line):
-        self.code, self.line, self.fired = code, line, False
+    def __init__(self, code, line, after=False):
+        self.code, self.line, self.after, self.fired = code, line, after, False
+        self._passed = False
 
     def __call__(self, frame, event, arg):
         if frame.f_code is self.code:
@@ -303,9 +308,16 @@ class _Interrupt:
         return None
 
     def local(self, frame, event, arg):
-        if event == "line" and frame.f_lineno == self.line and not self.fired:
+        if event != "line" or self.fired:
+            return self.local
+        if frame.f_lineno == self.line and not self.after:
             self.fired = True
             raise KeyboardInterrupt
+        if self._passed and frame.f_lineno != self.line:
+            self.fired = True
+            raise KeyboardInterrupt
+        if frame.f_lineno == self.line:
+            self._passed = True
         return self.local
 
 
@@ -337,3 +349,167 @@ def test_keyboard_interrupt_after_decode_loses_no_slot():
     assert loader.stats.detaches == 0 and loader.stats.pool_growths == 0
     ref = [b[0] for b in DataLoader(data, batch_size=2)]
     assert len(ref) == 20
+
+
+# -- interrupts between a ring operation and main's record of it (issue 33, item 2) --------
+
+def _line(function, text: str) -> tuple:
+    """(code, line number) of the first line of `function` that contains `text`."""
+    source, first = inspect.getsourcelines(function)
+    return function.__code__, first + next(i for i, t in enumerate(source) if text in t)
+
+
+def _request_sender():
+    """The PoolLoaderIter method that pushes a request on a worker's request ring."""
+    for name in ("_send", "_put_one"):
+        function = getattr(PoolLoaderIter, name, None)
+        if function is not None and ".push(" in inspect.getsource(function):
+            return function
+    raise AssertionError("no PoolLoaderIter method pushes requests")
+
+
+class _TracedInterrupt:
+    """Arms an _Interrupt at `text` of `function` (a PoolLoaderIter method) for the
+    calls made inside the `with`."""
+
+    def __init__(self, function, text, after):
+        self.trace = _Interrupt(*_line(function, text), after=after)
+
+    def __enter__(self):
+        sys.settrace(self.trace)
+        return self.trace
+
+    def __exit__(self, *exc):
+        sys.settrace(None)
+
+
+class _UnlinkInterrupt:
+    """KeyboardInterrupt from the first pool.unlink_mapped() main calls once it took a
+    reply off a done ring (the one function it calls there), then the real one."""
+
+    def __init__(self, it):
+        self.pool, self.fired = it._pool, False
+
+    def __enter__(self):
+        real = type(self.pool).unlink_mapped.__get__(self.pool)
+
+        def unlink_mapped():
+            if not self.fired:
+                self.fired = True
+                raise KeyboardInterrupt
+            return real()
+        self.pool.unlink_mapped = unlink_mapped
+        return self
+
+    def __exit__(self, *exc):
+        del self.pool.unlink_mapped
+
+
+INTERRUPT_POINTS = {
+    # a reply was popped from a done ring, main has not recorded it yet
+    "after_pop": lambda it: _UnlinkInterrupt(it),
+    "after_pop_in_next": lambda it: _TracedInterrupt(
+        PoolLoaderIter._next_host, "idx, worker = ledger.inflight[slot]", after=False),
+    # a request was recorded, not yet pushed on the worker's request ring
+    "before_push": lambda it: _TracedInterrupt(_request_sender(), ".push(", after=False),
+    # the push returned (a signal handler runs as a call returns)
+    "after_push": lambda it: _TracedInterrupt(_request_sender(), ".push(", after=True),
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("then", ["go_on", "next_epoch"])
+@pytest.mark.parametrize("point", sorted(INTERRUPT_POINTS))
+def test_an_interrupt_between_a_ring_and_the_ledger_loses_nothing(point, then):
+    """KeyboardInterrupt at the exact points where a slot has left a ring but is not yet
+    in main's record, or is recorded but not yet on a ring: the epoch goes on with
+    every batch DataLoader delivers ("go_on"), or the next epoch of the persistent
+    loader starts without waiting for a phantom slot ("next_epoch"), and its batches
+    are DataLoader's. timeout= turns a wait for a lost reply into an error.
+
+    A request is sent by the refill after a batch was decoded: the interrupt there
+    loses that one batch with the call, as DataLoader's would (and as in
+    test_keyboard_interrupt_after_decode_loses_no_slot), but the request goes out
+    once, its index neither skipped nor sent twice; an interrupt after a pop loses
+    nothing (the next call delivers that reply)."""
+    data = TensorDataset(torch.arange(40 * 20_000, dtype=torch.float32).view(40, 20_000))
+    interrupted_at = []
+
+    def run(loader):
+        it = iter(loader)
+        first = [next(it)[0].clone() for _ in range(3)]
+        if isinstance(loader, PoolLoader):
+            with INTERRUPT_POINTS[point](it) as armed:
+                while not armed.fired:  # the point is reached within a next() or two
+                    try:
+                        first.append(next(it)[0].clone())
+                    except KeyboardInterrupt:
+                        assert armed.fired
+                        interrupted_at.append(len(first))
+        if then == "go_on" or isinstance(loader, DataLoader):
+            first += [b[0].clone() for b in it]
+        second = [b[0].clone() for b in loader]
+        return first, second
+
+    ref, got = both_loaders(lambda cls: cls(
+        data, batch_size=2, shuffle=True, num_workers=2, persistent_workers=True, timeout=20,
+        generator=torch.Generator().manual_seed(5)), run)
+    [k] = interrupted_at
+    expected = list(ref[0])
+    if point.endswith("push"):
+        del expected[k]  # the batch the interrupted call had decoded
+    if then == "go_on":
+        assert_same(expected, got[0], "interrupted epoch")
+    else:
+        assert_same(expected[:len(got[0])], got[0], "interrupted epoch")
+    assert_same(ref[1], got[1], "next epoch")
+
+
+# -- a failed slot replacement (issue 33, item 4) -------------------------------------------
+
+@pytest.mark.timeout(180)
+def test_a_slot_whose_replacement_failed_is_not_lost():
+    """take() finds a FREE slot smaller than the pool's size since a batch grew one, and
+    its replacement fails for space (injected once, where the new segment is created):
+    the request's next() raises ShmSpaceError, and the slot comes back, so the epoch
+    goes on with all its slots: no detach, no "the consumer still holds batches"
+    warning, DataLoader's batches."""
+    items = [torch.full((64_000,), float(i)) for i in range(30)]  # 256 KB: in a 1 MiB slot
+    items[6] = torch.full((600_000,), 6.0)  # 2.4 MB: its slot grows, the others follow lazily
+    data = ds.ListDataset(items)
+    kw = dict(batch_size=None, num_workers=2)
+    ref = [b.clone() for b in DataLoader(data, **kw)]
+    loader = PoolLoader(data, slot_bytes=1 << 20, **kw)
+    it = iter(loader)
+    pool = it._pool
+    real_replace, real_create = pool.replace, pool.segments.create
+    failed = []
+
+    def create(*args, **kwargs):
+        pool.segments.create = real_create
+        raise ShmSpaceError("injected: no room for the replacement segment")
+
+    def replace(slot, nbytes):
+        if not failed and nbytes <= pool.target_bytes:  # take()'s, not a worker's request to grow
+            failed.append(slot)
+            pool.segments.create = create
+        return real_replace(slot, nbytes)
+    pool.replace = replace
+    got, errors = [], []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        batch = None  # the one the loop holds while the next is fetched, as `for` does
+        while True:
+            try:
+                batch = next(it)
+            except ShmSpaceError as e:  # a user who logs it and goes on (keeping it would
+                errors.append(str(e))   # keep the batch its traceback reaches)
+                continue
+            except StopIteration:
+                break
+            got.append(batch.clone())
+    del batch
+    assert failed and len(errors) == 1 and "injected" in errors[0], (failed, errors)
+    held = [str(w.message) for w in caught if "still holds" in str(w.message)]
+    assert not held and loader.stats.detaches == 0, held
+    assert_same(ref, got)

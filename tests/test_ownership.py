@@ -278,3 +278,33 @@ def test_pickled_batch_round_trips_like_dataloaders():
     for cls in BOTH:
         batch = next(iter(rfdetr_loader(cls, 1, batch_size=2)))
         assert_same(pickle.loads(pickle.dumps(batch)), batch)
+
+
+# -- dropped batches leave at once (issue 33, item 5) ------------------------------------------
+
+@pytest.mark.timeout(120)
+def test_dropped_detached_batches_are_unmapped_when_dropped():
+    """A persistent loader whose consumer kept every batch of an epoch (so most were
+    detached from the pool), idle between epochs: stats.detached_bytes is exactly the
+    shared memory this process maps beyond the pool, i.e. what the consumer still holds;
+    once the batches are dropped the process maps the pool and nothing else, with no
+    take() in between. The next epoch is DataLoader's."""
+    data = TensorDataset(torch.arange(40 * 20_000, dtype=torch.float32).view(40, 20_000))
+    loader = PoolLoader(data, batch_size=2, num_workers=2, persistent_workers=True,
+                        shm_backend="memfd")
+    with pytest.warns(UserWarning, match="detached"):
+        held = list(loader)
+    pool = loader._iterator._pool
+
+    def beyond_pool() -> int:  # memfd bytes mapped here that are not the pool's
+        mapped = sum(proc.memfd_segments("self").values())
+        return mapped - pool.total_bytes - pool.control.mapping.size
+    assert loader.stats.detaches > 0
+    assert loader.stats.detached_bytes == beyond_pool() > 0
+    del held[: len(held) // 2]  # the oldest ones: detached
+    assert loader.stats.detached_bytes == beyond_pool() > 0
+    del held
+    assert beyond_pool() == 0 and loader.stats.detached_bytes == 0
+    ref = [b[0] for b in DataLoader(data, batch_size=2)]
+    got = [b[0].clone() for b in loader]
+    assert_same(ref, got)

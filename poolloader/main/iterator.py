@@ -124,7 +124,8 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                                               stall_warning=loader.stall_warning,
                                               stall_report=_stall_reporter(
                                                   self._workers, self._pool, self._ledger,
-                                                  self._sent_indices))
+                                                  self._sent_indices),
+                                              returned=self._ledger.returned)
             init_fn = loader.worker_init_fn
             if isinstance(self._dataset, (IterDataPipe, MapDataPipe)):
                 # DataLoader's workers shard a datapipe first (by worker and rank)
@@ -212,19 +213,21 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
     def _reclaim_all(self) -> None:
         """Take back every slot of the previous epoch (persistent workers)."""
         ledger = self._ledger
+        ledger.settle()
         for info in self._task_info.values():  # taken, never delivered: their workers moved on
             if len(info) == 2:
                 self._resume.seen(info[0], fmt.reply_seq(ledger.header(info[1])),
                                   self._reply_record(info[1]))
         self._task_info = {}
-        while ledger.inflight:
+        while ledger.inflight:  # popped replies (ledger.returned) first, then the workers'
             slot, _worker = self._wait_returned()
             seq, worker = ledger.inflight[slot]
             if fmt.reply_status(ledger.header(slot), slot, seq, worker) == fmt.ST_GROW:
                 self._grow_and_resend(slot)
                 continue
             self._resume.seen(worker, seq, self._reply_record(slot))
-            ledger.inflight.pop(slot)
+            del ledger.inflight[slot]
+            ledger.returned.popleft()
         ledger.reset_free()
 
     def _dead_message(self) -> str:
@@ -273,8 +276,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
 
     def _send_owed(self) -> None:
         while self._puts_owed:
-            self._put_one()  # raises: still owed
-            self._puts_owed -= 1
+            self._put_one()  # raises: still owed; each call that returns paid one
 
     def _put_one(self) -> None:
         # the slot is taken only once the index and the worker are known
@@ -284,6 +286,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                 # its worker ended meanwhile (iterable): DataLoader would have sent it
                 # there, and nothing would have come of it
                 self._unsent = None
+                self._puts_owed -= 1
                 return
         else:
             max_tasks = self._prefetch_factor * self._num_workers
@@ -291,6 +294,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                 index = self._next_index()
             except StopIteration:
                 self._sampler_exhausted = True
+                self._puts_owed -= 1
                 return
             for _ in range(self._num_workers):
                 worker = next(self._worker_queue_idx_cycle)
@@ -300,53 +304,90 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                     if self._workers_num_tasks[worker] < max_tasks // sum(self._workers_status):
                         break
             else:
+                self._puts_owed -= 1
                 return
+            # drawn and counted (the resume tracker's pending, for in_order=False, has
+            # it under this same send index): kept for a retry, never dropped
+            self._unsent = (index, worker)
+        self._send(index, worker)
+
+    def _send(self, index, worker: int) -> None:
+        """Write and push one request. Everything it records is recorded before the
+        push, and the push marks itself in the same C call (SlotLedger.push): an
+        exception before the push (no space, an index that cannot be pickled, an
+        interrupt) undoes all of it, keeping the index in _unsent for the retry; one
+        after the push (a signal handler's) leaves the request sent, once."""
         ledger = self._ledger
-        slot = None
+        seq, owed = self._send_idx, self._puts_owed
+        tasks, outstanding = self._workers_num_tasks[worker], self._tasks_outstanding
+        ring = self._request_rings[worker]
+        pushed: list = []
         try:
             request = fmt.encode_request(index, self._int_list_requests)
             slot = ledger.take(fmt.request_slot_bytes(request))
-            fmt.write_request(ledger.mapping(slot), ledger.header(slot), self._send_idx,
+            fmt.write_request(ledger.mapping(slot), ledger.header(slot), seq,
                               self._epoch, worker, request, self._shared_seed)
-            ledger.inflight[slot] = (self._send_idx, worker)
+            ledger.inflight[slot] = (seq, worker)
             self._sent_indices[slot] = index
-        except BaseException:
-            if slot is not None:
-                ledger.give_back(slot)
-            # drawn and counted (the resume tracker's pending, for in_order=False, has
-            # it under this same send index): kept for the retry, never dropped
+            self._task_info[seq] = (worker,)
+            self._workers_num_tasks[worker] = tasks + 1
+            self._tasks_outstanding = outstanding + 1
+            self._send_idx = seq + 1
+            self._puts_owed = owed - 1
+            self._unsent = None
+            ledger.push(ring, slot, pushed)
+            if not pushed[0]:
+                raise SlotCorrupt(f"internal error: the request ring of worker {worker} is "
+                                  f"full ({ring.capacity} cells, one per slot)")
+        except BaseException as e:
+            if pushed and pushed[0]:
+                ledger.taking = None
+                raise  # the request went out: an exception after the push keeps it
+            taken = ledger.taking
+            if taken is not None:
+                ledger.inflight.pop(taken, None)
+                self._sent_indices.pop(taken, None)
+            ledger.put_back()
+            self._task_info.pop(seq, None)
+            self._workers_num_tasks[worker] = tasks
+            self._tasks_outstanding = outstanding
+            self._send_idx = seq
+            self._puts_owed = owed
             self._unsent = (index, worker)
+            if isinstance(e, ControlCorrupt) or pushed:  # a broken ring, or a full one
+                self._fail(e)
             raise
-        self._unsent = None
-        try:
-            self._request_rings[worker].push(slot, timeout=None)  # capacity: every slot
-        except ControlCorrupt as e:
-            self._fail(e)
-            raise
-        self._task_info[self._send_idx] = (worker,)
-        self._workers_num_tasks[worker] += 1
-        self._tasks_outstanding += 1
-        self._send_idx += 1
+        ledger.taking = None
 
     def _grow_and_resend(self, slot: int) -> None:
+        """`slot` is ledger.returned[0] with a request to grow: a bigger segment, then
+        back to its worker, which holds the batch for it."""
         ledger = self._ledger
         seq, worker = ledger.inflight[slot]
+        pushed: list = []
         try:
             ledger.grow(slot, fmt.needed_bytes(ledger.header(slot)), worker)
             fmt.stamp(ledger.header(slot), seq, self._epoch, worker)
+            ledger.returned.popleft()
+            ledger.push(self._request_rings[worker], slot, pushed)
+            if not pushed[0]:
+                raise SlotCorrupt(f"internal error: the request ring of worker {worker} is full")
         except BaseException as e:
-            # the worker holds the batch and waits for this slot: nothing can
-            # continue, so stop everything rather than wait for it forever
-            self._fail(e)
+            if not (pushed and pushed[0]):
+                # the worker holds the batch and waits for this slot, which did not
+                # go back: nothing can continue, so stop everything (a clear error
+                # from then on) rather than wait for it forever
+                self._fail(e)
             raise
-        self._request_rings[worker].push(slot, timeout=None)
 
     # -- waiting -------------------------------------------------------------------
     def _wait_returned(self) -> tuple[int, int]:
-        """Block until some worker returns a slot (supervise.Replies: bounded by
-        `timeout=` and worker liveness); (slot, worker). A dead worker, a corrupt
-        control block or a slot main did not give stops everything before the error
-        reaches the caller."""
+        """(slot, worker) of the oldest reply popped and not yet handled
+        (ledger.returned[0], where it stays until its handler takes it off), after
+        blocking, if there is none, until some worker returns a slot (supervise.Replies:
+        bounded by `timeout=` and worker liveness). A dead worker, a corrupt control
+        block or a slot main did not give stops everything before the error reaches
+        the caller."""
         try:
             slot, worker = self._replies.wait()
         except (ControlCorrupt, WorkerDied) as e:
@@ -387,14 +428,20 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
     def _next_host(self):
         if self._refill_error is not None:  # first: it may be what shut the iterator down
             error, self._refill_error = self._refill_error, None
-            raise error
+            try:
+                raise error
+            finally:
+                # no cycle through this frame: the error's traceback reaches the frame
+                # that decoded the previous batch, which must die with the caller's copy
+                del error
         if self._shutdown:
             if self._ended:
                 raise StopIteration
             raise RuntimeError(self._dead_message())
+        ledger = self._ledger
+        ledger.settle()  # before any slot is reused
         if self._puts_owed:  # requests an earlier call could not send go first
             self._send_owed()
-        ledger = self._ledger
         while True:
             while self._rcvd_idx < self._send_idx:
                 info = self._task_info.get(self._rcvd_idx, None)
@@ -415,6 +462,9 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                 self._rcvd_idx += 1
                 return self._process_data(slot, worker_id)
 
+            # Handling a popped reply (ledger.returned[0]): every step before the slot
+            # leaves `inflight` can be redone by the next call after an interrupt;
+            # after it, ledger.settle() drops the handled entry.
             slot, worker = self._wait_returned()
             idx, worker = ledger.inflight[slot]
             try:
@@ -425,10 +475,11 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
             if status == fmt.ST_GROW:
                 self._grow_and_resend(slot)
                 continue
-            del ledger.inflight[slot]
-            self._tasks_outstanding -= 1
             if status == fmt.ST_END:
                 self._resume.seen(worker, idx, self._reply_record(slot))
+                del ledger.inflight[slot]
+                ledger.returned.popleft()
+                self._tasks_outstanding -= 1
                 ledger.give_back(slot)
                 if self._workers_status[worker]:
                     self._workers_status[worker] = False
@@ -436,17 +487,19 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                 continue
             if idx not in self._task_info:
                 # its worker ended before this task (iterable): nothing to deliver
+                del ledger.inflight[slot]
+                ledger.returned.popleft()
+                self._tasks_outstanding -= 1
                 ledger.give_back(slot)
                 continue
-            if idx != self._rcvd_idx:
-                if not self._in_order:
-                    self._task_info.pop(idx)
-                    return self._process_data(slot, worker)
-                self._task_info[idx] += (slot,)
-            else:
-                del self._task_info[idx]
-                self._rcvd_idx += 1
+            self._task_info[idx] = (worker, slot)  # READY: in the reorder buffer
+            del ledger.inflight[slot]
+            ledger.returned.popleft()
+            self._tasks_outstanding -= 1
+            if idx != self._rcvd_idx and not self._in_order:
+                self._task_info.pop(idx)
                 return self._process_data(slot, worker)
+            # in order: delivered at the top of the loop once it is the next one
 
     def _process_data(self, slot: int, worker: int):
         self._workers_num_tasks[worker] -= 1

@@ -3,7 +3,9 @@
 Slot states, all owned by main except IN_WORKER (invariant 1):
 
     FREE       in `free` (or cooling behind a CUDA event in the gate)
-    IN_WORKER  in `inflight`: pushed on the worker's request ring
+    IN_WORKER  in `inflight`: pushed on the worker's request ring; still in `inflight`
+               once popped from the worker's done ring, in `returned` (popped, not
+               yet handled) until the iterator records where it goes next
     READY      back from its worker, not yet delivered (the iterator's reorder buffer)
     LEASED     delivered: a Lease (poolloader.shm._shm) views its data region and is
                registered in `leases`; when the lease dies its weakref lands on
@@ -16,10 +18,22 @@ leaves the pool and stays with the batch that still views it (like a DataLoader
 batch, freed when its last tensor dies), and the slot gets a fresh segment. A slot
 whose mapping was inherited by a forked child (`Mapping.forked`, set by the fork
 hook in poolloader.shm.fork) is detached when its batch is released, never reused.
+A detached segment is unmapped the moment its batch's last view dies (the Lease holds
+the only reference to it), not at the next take(); only with a CUDA gate does it wait
+for the next take() (its unregistration is a CUDA call, which no finaliser may make).
+
+Interrupts (KeyboardInterrupt, or any exception a signal handler raises) run only
+between bytecodes: a step that must not be split is one C-level call. A reply is
+popped from its done ring and appended to `returned` in one call
+(poolloader.main.supervise.Replies), and a request is pushed on its ring and marked
+pushed in one call (`push`), so an interrupt never leaves a slot in `inflight` that
+no worker has and no reply stands for.
 """
 from __future__ import annotations
 
 import collections
+import itertools
+import weakref
 from typing import NamedTuple
 
 from poolloader.cuda.gate import COOL_TIMEOUT_S
@@ -78,8 +92,17 @@ class SlotLedger:
         self.capacity = pool.max_slots if capacity is None else capacity
         self.free: list[int] = list(range(pool.num_slots - 1, -1, -1))
         self.inflight: dict[int, tuple[int, int]] = {}  # slot -> (seq, worker)
+        # (slot, worker) of replies popped from the done rings, oldest first: each
+        # stays here (and in `inflight`) until the iterator has recorded it elsewhere
+        self.returned: collections.deque = collections.deque()
         self.leases: dict = {}     # weakref to a Lease -> slot; oldest first
-        self.detached: dict = {}   # weakref to a Lease -> mapping out of the pool
+        # weakref to a Lease -> weakref to its mapping, out of the pool: the lease holds
+        # the mapping, so it is unmapped when the batch's last view dies
+        self.detached: dict = {}
+        # with a CUDA gate, the same mappings held until drain() unregisters them
+        self._registered_detached: dict = {}
+        # the slot take() last handed out, until its caller recorded it (put_back)
+        self.taking: int | None = None
         self.released: collections.deque = collections.deque()
         self.on_release = self.released.append  # C-level: no bytecode in the callback
         self._headers: dict[int, tuple[object, object]] = {}
@@ -100,7 +123,10 @@ class SlotLedger:
     def take(self, min_bytes: int = 0) -> int:
         """A slot for a new request (at least `min_bytes`, and the current target
         size), now: FREE; else a new one up to `capacity` (on CUDA, further while slots
-        cool); else a cooling one (bounded wait); else the oldest LEASED one, detached."""
+        cool); else a cooling one (bounded wait); else the oldest LEASED one, detached.
+        A refill or replacement that fails (no space) puts the slot back FREE, empty,
+        before the error is raised. The slot is also left in `taking` until the caller
+        clears it (an interrupt as take() returns: see put_back)."""
         if self.released:
             self.drain()
         gate = self.gate
@@ -116,11 +142,41 @@ class SlotLedger:
         else:
             slot = self._reclaim()
         pool = self.pool
-        if pool.mappings[slot] is None:
-            self._refill(slot)
-        if pool.size(slot) < max(min_bytes, pool.target_bytes):
-            self.replace(slot, max(min_bytes, pool.target_bytes))
+        try:
+            if pool.mappings[slot] is None:
+                self._refill(slot)
+            if pool.size(slot) < max(min_bytes, pool.target_bytes):
+                self.replace(slot, max(min_bytes, pool.target_bytes))
+        except BaseException:
+            # the slot is still main's: FREE again (empty if its old segment went), so
+            # a later take() refills it instead of the epoch running one slot short
+            self._headers.pop(slot, None)
+            self.free.append(slot)
+            raise
+        self.taking = slot
         return slot
+
+    def put_back(self) -> None:
+        """The caller of take() could not record the slot it got (an error or an
+        interrupt before its request was recorded): FREE again."""
+        slot, self.taking = self.taking, None
+        if slot is not None and slot not in self.inflight:
+            self.give_back(slot)
+
+    @staticmethod
+    def push(ring, slot: int, pushed: list) -> None:
+        """Push `slot` on `ring` (a request ring, with room for every slot) and append
+        try_push's result to `pushed`, in one C-level call: whatever a signal handler
+        raises, `pushed` says whether the slot went out."""
+        pushed.extend(itertools.starmap(type(ring).try_push, ((ring, slot),)))
+
+    def settle(self) -> None:
+        """Drop the replies at the front of `returned` that were handled (their slot
+        left `inflight`) but not yet removed: an interrupt came between the two. Only
+        at the start of a call, before any slot can be reused."""
+        returned, inflight = self.returned, self.inflight
+        while returned and returned[0][0] not in inflight:
+            returned.popleft()
 
     def _reclaim(self) -> int:
         """The pool may not grow: wait (bounded) for a slot cooling behind CUDA copies,
@@ -152,7 +208,8 @@ class SlotLedger:
             ref = released.popleft()
             slot = leases.pop(ref, None)
             if slot is None:
-                mapping = self.detached.pop(ref, None)
+                self.detached.pop(ref, None)  # unmapped already (no gate), when the lease died
+                mapping = self._registered_detached.pop(ref, None)
                 if mapping is not None:
                     self._retire(mapping)
                 continue
@@ -181,7 +238,10 @@ class SlotLedger:
         ref = next(iter(self.leases))
         slot = self.leases.pop(ref)
         self._headers.pop(slot, None)
-        self.detached[ref] = self.pool.detach(slot)
+        mapping = self.pool.detach(slot)
+        self.detached[ref] = weakref.ref(mapping)
+        if self.gate is not None:
+            self._registered_detached[ref] = mapping
         self.stats.detaches += 1
         if not self._warned_detach:
             self._warned_detach = True
@@ -204,7 +264,6 @@ class SlotLedger:
         try:
             self.pool.refill(slot)
         except ShmSpaceError as e:
-            self.free.append(slot)  # still empty: a later take() refills it
             raise self._space_error(e) from None
 
     def replace(self, slot: int, nbytes: int) -> None:
@@ -229,8 +288,13 @@ class SlotLedger:
         return held + sum(pool.size(slot) for slot in self.leases.values())
 
     def detached_bytes(self) -> int:
-        """Shared memory of detached batches not yet given back (the consumer's)."""
-        return sum(m.size for m in self.detached.values() if not m.closed)
+        """Shared memory of detached batches the consumer still holds (a view alive)."""
+        total = 0
+        for ref in list(self.detached.values()):  # a lease may die meanwhile (any thread)
+            mapping = ref()
+            if mapping is not None and not mapping.closed and mapping.leases:
+                total += mapping.size
+        return total
 
     def _space_error(self, error: ShmSpaceError) -> ShmSpaceError:
         held = self.held_bytes()
@@ -245,6 +309,7 @@ class SlotLedger:
     def reset_free(self) -> None:
         """Every slot not in flight and not leased is FREE (persistent workers, new epoch):
         also takes back any slot an interrupted call left in between."""
+        self.taking = None
         self.drain()
         leased = set(self.leases.values())
         cooling = set(self.gate.cooling_keys()) if self.gate is not None else set()
@@ -260,6 +325,7 @@ class SlotLedger:
             for key in self.gate.close():
                 if not isinstance(key, int):
                     self.pool.unmap(key)
-            for mapping in self.detached.values():
+            for mapping in self._registered_detached.values():
                 self.pool.unmap(mapping)
+        self._registered_detached.clear()
         self.detached.clear()

@@ -9,6 +9,8 @@ and `exitcode` working.
 from __future__ import annotations
 
 import atexit
+import collections
+import itertools
 import os
 import signal
 import sys
@@ -125,7 +127,8 @@ def _strsignal(signum: int) -> str:
 class Replies:
     """Main's side of the done rings: which worker returned which slot.
 
-    `wait()` pops the next returned slot, polling the rings round-robin from the
+    `wait()` pops the next returned slot into `returned` (a deque of (slot, worker),
+    the ledger's), polling the rings round-robin from the
     one after the last that answered (so no worker starves); with none returned it
     sleeps on the doorbell, checks worker liveness every MAIN_TICK and calls
     `on_tick()`, bounded by DataLoader's `timeout` (0: no limit). The time spent
@@ -137,8 +140,10 @@ class Replies:
     (None: never) warns once with the same report and goes on waiting."""
 
     def __init__(self, control, workers, timeout: float, stats, on_tick,
-                 stall_warning: float | None = None, stall_report=None) -> None:
+                 stall_warning: float | None = None, stall_report=None,
+                 returned=None) -> None:
         self._rings = control.done_rings
+        self.returned = collections.deque() if returned is None else returned
         self._doorbell = control.doorbell
         self._workers = workers
         self._timeout = timeout
@@ -149,38 +154,46 @@ class Replies:
         self._start = 0
 
     def waiting(self) -> int:
-        """Replies returned and not yet taken by main."""
-        return sum(len(r) for r in self._rings)
+        """Replies returned and not yet taken by main (popped or not)."""
+        return sum(len(r) for r in self._rings) + len(self.returned)
 
-    def _poll(self) -> tuple[int, int] | None:
-        rings = self._rings
+    def _poll(self) -> bool:
+        rings, returned = self._rings, self.returned
         n = len(rings)
         for k in range(n):
             w = (self._start + k) % n
-            slot = rings[w].try_pop()
-            if slot is not None:
+            had = len(returned)
+            # one C-level call pops at most one slot and appends (slot, w): no signal
+            # handler can run between the pop and the record, so no reply is lost
+            returned.extend(zip(itertools.islice(iter(rings[w].try_pop, None), 1),
+                                itertools.repeat(w)))
+            if len(returned) > had:
                 self._start = (w + 1) % n
-                return slot, w
-        return None
+                return True
+        return False
 
     def wait(self) -> tuple[int, int]:
-        """(slot, worker) of the next reply. Raises WorkerDied, ControlCorrupt (from a
-        ring), or RuntimeError once `timeout` passes, DataLoader's message."""
+        """Pop the next reply into `returned` (at once if one is there already) and
+        return its (slot, worker), which stays in `returned` for the caller to take off.
+        Raises WorkerDied, ControlCorrupt (from a ring), or RuntimeError once `timeout`
+        passes, DataLoader's message."""
+        if self.returned:
+            return self.returned[0]
         got = self._poll()
-        if got is None:
+        if not got:
             # Rings found on a poll leave their doorbell tokens behind; drop them,
             # then poll once more, so the wait below sleeps instead of spinning.
             while self._doorbell.wait(0.0):
                 pass
             got = self._poll()
-        if got is not None:
-            return got
+        if got:
+            return self.returned[0]
         t0 = time.perf_counter()
         began = time.monotonic()
         deadline = began + self._timeout if self._timeout > 0 else None
         warn_at = began + self._stall_warning if self._stall_warning is not None else None
         try:
-            while got is None:
+            while not got:
                 wait = MAIN_TICK
                 if deadline is not None:
                     wait = min(wait, deadline - time.monotonic())
@@ -196,7 +209,7 @@ class Replies:
                 got = self._poll()
         finally:
             self._stats.main_wait_s += time.perf_counter() - t0
-        return got
+        return self.returned[0]
 
     def _report(self) -> str:
         """The stall report, on the lines after a first line that is the caller's."""

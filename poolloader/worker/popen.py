@@ -71,13 +71,13 @@ def _drop_start_pipe_dup(popen) -> None:
     docstring). The finalizer then closes that one alone."""
     from multiprocessing import util
 
-    fds = getattr(popen.finalizer, "_args", ())
+    fds: tuple = getattr(popen.finalizer, "_args", ())
     if len(fds) != 2 or fds[1] != popen.sentinel:
         return  # another Python's layout: keep both, as multiprocessing does
     start_dup, status = fds
     popen.finalizer.cancel()
     os.close(start_dup)
-    popen.finalizer = util.Finalize(popen, util.close_fds, (status,))
+    popen.finalizer = util.Finalize(popen, os.close, (status,))
 
 
 def _poll_wait(popen, timeout=None):
