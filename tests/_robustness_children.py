@@ -178,7 +178,7 @@ def _encoded_slots() -> dict:
 
     from poolloader import collate as slot_collate_mod
     from poolloader.shm._shm import Mapping
-    from poolloader.wire import codec
+    from poolloader.wire import codec, filling
     from poolloader.wire import slot_format as fmt
 
     slot_bytes = SLOT_BYTES
@@ -195,9 +195,9 @@ def _encoded_slots() -> dict:
         writer = codec.SlotWriter()
         writer.begin(mapping)
         if via_collate:  # what a worker does: collate straight into the slot
-            slot_collate_mod._set_writer(writer)
+            filling.set_writer(writer)
             batch = slot_collate_mod.slot_collate(batch)
-            slot_collate_mod._set_writer(None)
+            filling.set_writer(None)
         codec.encode(writer, header, batch, fmt.ST_READY)
         writer.end()
         del writer

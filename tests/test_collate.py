@@ -10,10 +10,9 @@ import torch
 from compare import assert_same
 from torch.utils.data import default_collate
 
-from poolloader import collate as slot_collate_mod
 from poolloader import slot_collate, slot_empty
 from poolloader.shm.pool import SlotPool
-from poolloader.wire import codec
+from poolloader.wire import codec, filling
 from poolloader.wire import slot_format as fmt
 
 
@@ -36,12 +35,12 @@ def test_in_a_worker_tensors_are_stacked_into_the_slot_and_not_copied_again():
     try:
         samples = [(torch.full((100, 200), float(i)), np.arange(3) + i, i) for i in range(5)]
         writer.begin(mapping)
-        slot_collate_mod._set_writer(writer)
+        filling.set_writer(writer)
         try:
             batch = slot_collate(samples)
             extra = slot_empty((7,), torch.float64)
         finally:
-            slot_collate_mod._set_writer(None)
+            filling.set_writer(None)
         assert_same(batch, default_collate(samples))
         assert inside(batch[0], mapping) and inside(extra, mapping)
         used = writer.cursor

@@ -23,11 +23,10 @@ from torch.utils.data._utils.collate import default_collate
 from torch.utils.data._utils.worker import WorkerInfo, _generate_state
 from torch.utils.data.graph_settings import apply_random_seed
 
-from poolloader import collate as slot_collate_mod
 from poolloader.errors import RingClosed, RingTimeout
 from poolloader.resume.keys import WorkerProgress
 from poolloader.shm.pool import WorkerSlots
-from poolloader.wire import codec
+from poolloader.wire import codec, filling
 from poolloader.wire import slot_format as fmt
 from poolloader.worker import stall, startup
 from poolloader.worker.popen import parent_process_through
@@ -113,7 +112,7 @@ def worker_loop(cfg: WorkerConfig) -> None:
         # torch's default collate gives the same result stacked into the slot.
         collate_fn = cfg.collate_fn
         if collate_fn is default_collate:
-            collate_fn = slot_collate_mod.slot_collate
+            collate_fn = filling.slot_collate
 
         def new_fetcher():
             return _DatasetKind.create_fetcher(
@@ -177,7 +176,7 @@ def worker_loop(cfg: WorkerConfig) -> None:
                 payload, status = None, fmt.ST_END
                 if not iteration_end:
                     writer.begin(mapping, slot)
-                    slot_collate_mod._set_writer(writer)
+                    filling.set_writer(writer)
                     try:
                         if init_exception is not None:
                             payload, status = init_exception, fmt.ST_ERROR
@@ -198,7 +197,7 @@ def worker_loop(cfg: WorkerConfig) -> None:
                         payload = ExceptionWrapper(where=f"in DataLoader worker process {cfg.worker_id}")
                         status = fmt.ST_ERROR
                     finally:
-                        slot_collate_mod._set_writer(None)
+                        filling.set_writer(None)
                 try:
                     state = progress.capture(fetcher) if cfg.capture else b""
                 except Exception:  # e.g. the dataset's state_dict(): reported like a fetch error
