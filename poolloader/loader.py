@@ -8,7 +8,7 @@ from torch.utils.data import DataLoader
 
 from poolloader.adopt.rebuilds import note_plain_prepare
 from poolloader.errors import warn
-from poolloader.stats import LoaderStats
+from poolloader.main.stats import LoaderStats
 
 T_co = TypeVar("T_co", covariant=True)
 

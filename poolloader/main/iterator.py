@@ -39,9 +39,9 @@ from poolloader.cuda import gate
 from poolloader.errors import ControlCorrupt, SlotCorrupt, WorkerDied
 from poolloader.main import supervise
 from poolloader.main.ledger import SlotLedger, plan_sizes
+from poolloader.main.stats import LoaderStats
 from poolloader.resume.tracker import ResumeTracker
 from poolloader.shm.pool import SlotPool
-from poolloader.stats import LoaderStats
 from poolloader.wire import codec
 from poolloader.wire import slot_format as fmt
 from poolloader.worker import stall, startup
@@ -150,7 +150,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                     capture=loader.stateful)
                 self._workers.append(start_without_pipes(ctx, worker_loop, (cfg,)))
             supervise.track(self)
-            self._stats._attach(self._pool, self._ledger)
+            self._stats.attach_pool(self._pool, self._ledger)
             self._stats.num_workers = n
             self._reset(loader, first_iter=True)
         except BaseException:
@@ -252,8 +252,8 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
             self._resume.raised(staged=self._stager is not None)
             raise
         self._resume.commit()
-        self._last_delivery = self._stats._delivered(entered, waited, self._last_delivery,
-                                                     self._epoch_started)
+        self._last_delivery = self._stats.count_delivery(entered, waited, self._last_delivery,
+                                                         self._epoch_started)
         return data
 
     def _reply_record(self, slot: int) -> bytes | None:
@@ -591,7 +591,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
 
     def _detach_stats(self) -> None:
         if self._pool is not None:
-            self._stats._detach(self._pool)
+            self._stats.detach_pool(self._pool)
 
     def _close_pool(self) -> None:
         if self._pool is not None:
