@@ -1,5 +1,6 @@
 """poolloader: a drop-in torch DataLoader whose workers write batches into
 preallocated, reused shared-memory slots; only slot indices cross processes."""
+from poolloader.adopt import rebuilds as _rebuilds  # noqa: F401  (registers its warning: poolloader.loader.on_plain_rebuild)
 from poolloader.collate import slot_collate, slot_empty
 from poolloader.cuda.runtime import watch_stream
 from poolloader.detection import DetectionCollate, PackedTargets, pack_targets

@@ -1,16 +1,23 @@
 """PoolLoader: torch.utils.data.DataLoader with batches moved through a slot pool."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TypeVar
 
 import torch
 from torch.utils.data import DataLoader
 
-from poolloader.adopt.rebuilds import note_plain_prepare
 from poolloader.errors import warn
 from poolloader.main.stats import LoaderStats
 
 T_co = TypeVar("T_co", covariant=True)
+
+# The extension point for a library that rebuilds a PoolLoader as a plain DataLoader:
+# HF Accelerate reads `_is_accelerate_prepared` of every loader given to
+# Accelerator.prepare() and then does. Each callable here is called with the loader when
+# that attribute is read; poolloader.adopt.rebuilds adds the warning that the pool is lost
+# (and how to keep it). A list, not an import: adopt/ is above this module.
+on_plain_rebuild: list[Callable[[DataLoader], None]] = []
 
 DEFAULT_SLOT_BYTES = 1 << 20
 # Seconds next() waits for a batch before it warns with a stall report (stall_warning=).
@@ -133,11 +140,11 @@ class PoolLoader(DataLoader[T_co]):
         # saved epoch must not: that draw was made when the epoch began.
         caller_rng = torch.get_rng_state() if continues_epoch(self._resume_plan) else None
         try:
-            it = PoolLoaderIter(self)
+            it = PoolLoaderIter(self, self._take_resume_plan())
         finally:
             if caller_rng is not None:
                 torch.set_rng_state(caller_rng)
-        self._resume_tracker = it._resume  # plain data: keeps no worker alive
+        self._resume_tracker = it.resume_tracker  # plain data: keeps no worker alive
         return it
 
     # -- mid-epoch resume (poolloader.resume.keys) -------------------------------------
@@ -192,12 +199,13 @@ class PoolLoader(DataLoader[T_co]):
         return plan
 
     # HF Accelerate reads this attribute of every loader given to Accelerator.prepare()
-    # and then rebuilds the loader as a plain DataLoader: say (once) that the pool is lost
-    # and how to keep it (poolloader.adopt.rebuilds; poolloader.accelerate.prepare()
-    # keeps it and stays quiet).
+    # and then rebuilds the loader as a plain DataLoader: the hooks of on_plain_rebuild
+    # say (once) that the pool is lost and how to keep it (poolloader.adopt.rebuilds;
+    # poolloader.accelerate.prepare() keeps it and stays quiet).
     @property
     def _is_accelerate_prepared(self) -> bool:
-        note_plain_prepare(self)
+        for hook in on_plain_rebuild:
+            hook(self)
         return self.__dict__.get("_accelerate_prepared", False)
 
     @_is_accelerate_prepared.setter

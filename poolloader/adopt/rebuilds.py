@@ -3,13 +3,15 @@ is lost, unless it is kept anyway.
 
 HF Accelerate reads `_is_accelerate_prepared` of every loader given to
 `Accelerator.prepare()` and then rebuilds it as a plain DataLoader; PoolLoader's
-property calls `note_plain_prepare` here. Two things keep the pool, and each says so
+property calls the hooks of its extension point, `poolloader.loader.on_plain_rebuild`,
+and this module adds `note_plain_prepare` there when it is imported (the package's
+__init__ imports it). Two things keep the pool, and each says so
 here: `poolloader.accelerate.prepare()` marks the loaders it is preparing
 (`preparing`), and the runner's hook marks the process as pooling every DataLoader
 (`set_pooling_every_loader`).
 
-This module imports nothing from poolloader: the loader, the hook and
-poolloader.accelerate all point down to it.
+This module imports only the loader (to register there); the hook and
+poolloader.accelerate point down to it.
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ import threading
 import types
 import warnings
 from collections.abc import Iterator
+
+from poolloader import loader as _loader
 
 _local = threading.local()  # .preparing: ids of PoolLoaders being prepared by poolloader.accelerate
 _pooling_every_loader = False
@@ -71,3 +75,6 @@ def _caller_outside_libraries() -> int:
     while frame is not None and frame.f_code.co_filename.startswith(libraries):
         level, frame = level + 1, frame.f_back
     return level
+
+
+_loader.on_plain_rebuild.append(note_plain_prepare)

@@ -40,7 +40,7 @@ from poolloader.errors import ControlCorrupt, SlotCorrupt, WorkerDied
 from poolloader.main import supervise
 from poolloader.main.ledger import SlotLedger, plan_sizes
 from poolloader.main.stats import LoaderStats
-from poolloader.resume.tracker import ResumeTracker
+from poolloader.resume.tracker import IteratorSetup, ResumeTracker
 from poolloader.shm.pool import SlotPool
 from poolloader.wire import codec
 from poolloader.wire import slot_format as fmt
@@ -76,7 +76,8 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
     so this is one; its queue-based __init__ is skipped and every method that
     touches queues, pin threads or workers is replaced below."""
 
-    def __init__(self, loader) -> None:
+    def __init__(self, loader, resume_plan=None) -> None:
+        """`resume_plan`: a loaded state to continue from (poolloader.resume.tracker.ResumePlan)."""
         _BaseDataLoaderIter.__init__(self, loader)
         self._shutdown = True  # until workers exist there is nothing to shut down
         self._shared_start: startup.SharedStart | None = None
@@ -107,7 +108,10 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         size = plan_sizes(loader, gated=self._gate is not None)
         self._epoch = 0
         # state_dict()/load_state_dict(): takes the base seed of a loaded state, if any
-        self._resume = ResumeTracker(self, loader, loader._take_resume_plan())
+        setup = IteratorSetup(n, self._base_seed, self._in_order, self._persistent_workers,
+                              self._dataset_kind, self._index_sampler, self._shared_seed,
+                              self._IterableDataset_len_called)
+        self._resume = ResumeTracker(setup, loader, resume_plan)
         self._base_seed = self._resume.base_seed  # a loaded state's, if any
         ctx = loader.multiprocessing_context or torch.multiprocessing
         self._pool = SlotPool(
@@ -173,6 +177,12 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         """(replies waiting for main, requests in flight): a benchmark waits until the
         first equals the second before it times a next() that only hands off."""
         return self._replies.waiting(), len(self._ledger.inflight)
+
+    @property
+    def resume_tracker(self) -> ResumeTracker:
+        """This iterator's progress (poolloader.resume.tracker): the loader's state_dict()
+        reads it, also after the iterator is gone (plain data: it keeps no worker alive)."""
+        return self._resume
 
     # -- epochs --------------------------------------------------------------
     def _reset(self, loader, first_iter=False) -> None:

@@ -3,7 +3,8 @@ follows an iterator's epoch (the records of delivered batches, the sampler's pos
 the round robin) and builds `state_dict()`; `ResumePlan` is a loaded state, applied
 by the next iterator and handed, per worker, to the worker process.
 
-The tracker reads the iterator's settings and never writes its fields: where a loaded
+The tracker is handed the iterator's settings (`IteratorSetup`) and never writes its
+fields: where a loaded
 state moves the iterator (its base seed, its sampler iterator, its counters, its round
 robin), the tracker returns the values (`base_seed`, `Resumed`) and the iterator sets
 them on itself.
@@ -62,6 +63,19 @@ from poolloader.resume.keys import (
 )
 
 
+class IteratorSetup(NamedTuple):
+    """What the tracker reads of its iterator, once, at its start: DataLoader's iterator
+    fields (_BaseDataLoaderIter's _num_workers, _base_seed, ...), handed over by name."""
+    num_workers: int
+    base_seed: int
+    in_order: bool
+    persistent: bool
+    dataset_kind: int            # torch's _DatasetKind
+    index_sampler: object        # the batch sampler (or sampler) the epoch draws from
+    shared_seed: int | None      # DataLoader's _shared_seed (IterDataPipe shuffles)
+    len_called: int | None       # DataLoader's _IterableDataset_len_called
+
+
 class Resumed(NamedTuple):
     """Where a loaded state puts the iterator at the start of its epoch."""
     sampler_iter: Iterator      # the epoch's sampler iterator, positioned
@@ -81,20 +95,20 @@ class ResumeTracker:
     the loader may keep it after the iterator is gone (its state stays valid:
     what was delivered was delivered)."""
 
-    def __init__(self, it, loader, plan: ResumePlan | None):
-        n = it._num_workers
-        base_seed = it._base_seed
+    def __init__(self, it: IteratorSetup, loader, plan: ResumePlan | None):
+        n = it.num_workers
+        base_seed = it.base_seed
         self.num_workers = n
-        self.in_order = it._in_order
-        self.persistent = it._persistent_workers
-        self.iterable = it._dataset_kind == _DatasetKind.Iterable
-        self.index_sampler = it._index_sampler
+        self.in_order = it.in_order
+        self.persistent = it.persistent
+        self.iterable = it.dataset_kind == _DatasetKind.Iterable
+        self.index_sampler = it.index_sampler
         self.generators = sampler_generators(loader)
         self.sampler_stateful = False  # decided per epoch: the sampler or its iterator
-        self.shared_seed = it._shared_seed
-        self.len_called = it._IterableDataset_len_called
+        self.shared_seed = it.shared_seed
+        self.len_called = it.len_called
         self.plan = plan
-        self.fast_forward_index = next(iter(it._index_sampler)) if self.iterable else None
+        self.fast_forward_index = next(iter(it.index_sampler)) if self.iterable else None  # type: ignore[call-overload]
         self.epoch_blob: list = [None] * n   # each worker's record at this epoch's start
         self._decoded: dict = {}  # worker -> (record, epoch record, snapshot): state_dict()'s cache
         self._new_epoch_counters()
