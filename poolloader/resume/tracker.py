@@ -67,7 +67,7 @@ class IteratorSetup(NamedTuple):
     """What the tracker reads of its iterator, once, at its start: DataLoader's iterator
     fields (_BaseDataLoaderIter's _num_workers, _base_seed, ...), handed over by name."""
     num_workers: int
-    base_seed: int
+    base_seed: int | float       # an int (torch types its .item() draw int | float)
     in_order: bool
     persistent: bool
     dataset_kind: int            # torch's _DatasetKind
