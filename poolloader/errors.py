@@ -4,6 +4,7 @@ which gives each warning at the user's line.
 Each subclasses the builtin a caller would already catch for it.
 """
 import os
+import types
 
 
 class RingClosed(RuntimeError):
@@ -48,23 +49,36 @@ class StallWarning(RuntimeWarning):
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
-def warn(message, category: type[Warning] = UserWarning, skip: tuple[str, ...] = ()) -> None:
-    """`warnings.warn(message, category)` at the user's line: the innermost frame outside
-    poolloader, torch.utils.data and the directories in `skip` (`for batch in loader`,
-    `loader.state_dict()`, the script's line under the runner), however deep in
-    poolloader it was raised; the outermost frame where none is outside (a thread of
-    poolloader's own)."""
+def user_frame(skip: tuple[str, ...] = (), depth: int = 1) -> tuple[types.FrameType, int]:
+    """The frame a warning or a report names as the user's line: the innermost frame
+    outside poolloader, torch.utils.data and the paths in `skip` (directories ending in
+    os.sep, or files), starting `depth` frames out from the caller (1: the caller's
+    caller), however deep in poolloader that is; the outermost frame where none is
+    outside (a thread of poolloader's own). With it, its depth from the caller: the
+    stacklevel that `warnings.warn` called by the caller needs to name it.
+
+    The one walk of the stack for warning locations: `warn` and the runner's record of
+    where a loader was built (poolloader.adopt.hook) use it."""
     import sys
-    import warnings
 
     inside = [_PACKAGE_DIR, *skip]
     data = sys.modules.get("torch.utils.data")
     if data is not None and data.__file__:
         inside.append(os.path.dirname(data.__file__) + os.sep)
     prefixes = tuple(inside)
-    level, frame = 2, sys._getframe(1)  # stacklevel 2: warn's caller
-    while frame is not None and frame.f_code.co_filename.startswith(prefixes):
-        if frame.f_back is None:
-            break  # nothing outside: the outermost frame
+    level, frame = depth + 1, sys._getframe(depth + 1)
+    while frame.f_code.co_filename.startswith(prefixes) and frame.f_back is not None:
         level, frame = level + 1, frame.f_back
+    return frame, level
+
+
+def warn(message, category: type[Warning] = UserWarning, skip: tuple[str, ...] = ()) -> None:
+    """`warnings.warn(message, category)` at the user's line (`user_frame`: the innermost
+    frame outside poolloader, torch.utils.data and the directories in `skip`: `for batch
+    in loader`, `loader.state_dict()`, the script's line under the runner), however deep
+    in poolloader it was raised. `message` may be a Warning instance (its class is the
+    category then, as with warnings.warn)."""
+    import warnings
+
+    _frame, level = user_frame(skip)
     warnings.warn(message, category, stacklevel=level)

@@ -51,10 +51,10 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import ClassVar
 
-import torch.utils.data
 from torch.utils.data import DataLoader
 
 from poolloader.adopt import rebuilds
+from poolloader.errors import user_frame
 from poolloader.loader import PoolLoader
 
 _DATALOADER_PARAMS = inspect.signature(DataLoader.__init__)
@@ -379,18 +379,11 @@ def print_summary(file=None) -> None:
 
 # -- where a loader was built -----------------------------------------------------------
 
-_SKIP_DIRS = tuple(os.path.dirname(str(m.__file__)) + os.sep
-                   for m in (torch.utils.data, sys.modules["poolloader"])) + (typing.__file__,)
-
-
 def _where() -> str:
-    """`file:line` of the code that built the loader (innermost frame outside torch's data
-    package and poolloader), plus `via script:line` when the script's own line is further out."""
-    frame: types.FrameType | None = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_SKIP_DIRS):
-        frame = frame.f_back
-    if frame is None:
-        return "?"
+    """`file:line` of the code that built the loader (errors.user_frame: the innermost frame
+    outside torch's data package, poolloader and typing), plus `via script:line` when the
+    script's own line is further out."""
+    frame, _level = user_frame(skip=(typing.__file__,))
     where = f"{_short(frame.f_code.co_filename)}:{frame.f_lineno}"
     main_file = getattr(sys.modules.get("__main__"), "__file__", None)
     outer: types.FrameType | None = frame

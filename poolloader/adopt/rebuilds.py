@@ -10,26 +10,22 @@ here: `poolloader.accelerate.prepare()` marks the loaders it is preparing
 (`preparing`), and the runner's hook marks the process as pooling every DataLoader
 (`set_pooling_every_loader`).
 
-This module imports only the loader (to register there); the hook and
+This module imports only the loader (to register there) and errors; the hook and
 poolloader.accelerate point down to it.
 """
 from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import threading
-import types
-import warnings
 from collections.abc import Iterator
 
 from poolloader import loader as _loader
+from poolloader.errors import warn
 
 _local = threading.local()  # .preparing: ids of PoolLoaders being prepared by poolloader.accelerate
 _pooling_every_loader = False
 warned = False  # the warning is given once per process (tests set it back)
-
-_POOLLOADER_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def set_pooling_every_loader(on: bool) -> None:
@@ -58,23 +54,13 @@ def note_plain_prepare(loader) -> None:
             or id(loader) in getattr(_local, "preparing", ())):
         return
     warned = True
-    warnings.warn(
+    import accelerate  # the warning is given at the first caller outside it (and poolloader)
+    warn(
         "accelerator.prepare() rebuilds this PoolLoader as a plain DataLoader: its batches "
         "will not go through the slot pool. Keep the pool with "
         "poolloader.accelerate.prepare(accelerator, ...) in place of accelerator.prepare(...), "
         "or run the script under `python -m poolloader`.", UserWarning,
-        stacklevel=_caller_outside_libraries())
-
-
-def _caller_outside_libraries() -> int:
-    """warnings.warn stacklevel of the first caller outside poolloader and accelerate."""
-    import accelerate
-    libraries = (os.path.dirname(str(accelerate.__file__)) + os.sep, _POOLLOADER_DIR)
-    level = 1
-    frame: types.FrameType | None = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(libraries):
-        level, frame = level + 1, frame.f_back
-    return level
+        skip=(os.path.dirname(str(accelerate.__file__)) + os.sep,))
 
 
 _loader.on_plain_rebuild.append(note_plain_prepare)

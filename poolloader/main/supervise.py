@@ -11,16 +11,12 @@ from __future__ import annotations
 import atexit
 import collections
 import itertools
-import os
 import signal
-import sys
 import threading
 import time
-import types
-import warnings
 import weakref
 
-from poolloader.errors import StallWarning, WorkerDied
+from poolloader.errors import StallWarning, WorkerDied, warn
 
 # How long shutdown waits for workers to leave by themselves before terminating them.
 JOIN_TIMEOUT = 1.0
@@ -102,19 +98,6 @@ def check_alive(processes) -> None:
                 f"{describe_exit(code)}. If it was killed for memory (signal 9), lower "
                 "num_workers or batch_size; run with num_workers=0 to see the error in "
                 "the main process.")
-
-
-def _first_outside_loader() -> int:
-    """warnings.warn stacklevel, from its caller, of the first frame outside poolloader
-    and torch.utils.data: the user's `for batch in loader` line."""
-    import torch.utils.data
-    inside = tuple(os.path.dirname(str(m.__file__)) + os.sep
-                   for m in (torch.utils.data, sys.modules["poolloader"]))
-    level = 2
-    frame: types.FrameType | None = sys._getframe(2)
-    while frame is not None and frame.f_code.co_filename.startswith(inside):
-        level, frame = level + 1, frame.f_back
-    return level
 
 
 def _strsignal(signum: int) -> str:
@@ -221,10 +204,10 @@ class Replies:
             return f"\nPoolLoader: no stall report ({type(e).__name__}: {e})"
 
     def _warn_stall(self, waited: float) -> None:
-        warnings.warn(StallWarning(
+        warn(StallWarning(
             f"PoolLoader: next() has waited {waited:.1f} s for a batch and goes on waiting "
             f"(timeout={self._timeout}; this warning: stall_warning={self._stall_warning}, "
-            "None turns it off)" + self._report()), stacklevel=_first_outside_loader())
+            "None turns it off)" + self._report()), StallWarning)
 
     def close(self) -> None:
         self._rings = []

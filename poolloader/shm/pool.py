@@ -24,11 +24,10 @@ from __future__ import annotations
 
 import os
 import resource
-import warnings
 
 import numpy as np
 
-from poolloader.errors import ControlCorrupt, ShmSpaceError
+from poolloader.errors import ControlCorrupt, ShmSpaceError, warn
 from poolloader.shm import memfd
 from poolloader.shm._shm import Mapping
 from poolloader.shm.control import (
@@ -98,8 +97,7 @@ def choose_backend(requested: str | None, max_slots: int = 0) -> str:
         raise OSError(f"shm_backend='memfd' cannot be used here: {why_not}; use shm_backend='posix'")
     if not _warned_fallback:
         _warned_fallback = True
-        warnings.warn("PoolLoader: this pool uses named segments in /dev/shm "
-                      f"(shm_backend='posix'): {why_not}", stacklevel=3)
+        warn(f"PoolLoader: this pool uses named segments in /dev/shm (shm_backend='posix'): {why_not}")
     return "posix"
 
 
