@@ -43,7 +43,7 @@ class CudaRegistrationError(RuntimeError):
 
 class StallWarning(RuntimeWarning):
     """next() has waited `stall_warning` seconds for a batch (timeout=0 waits on); the
-    message says which worker owes which batch and where it is (poolloader.worker.stall)."""
+    message says which worker owes which batch and where it is (poolloader.main.stall)."""
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep

@@ -16,8 +16,9 @@ import pytest
 from helpers import wait_until
 
 from poolloader import PoolLoader, StallWarning
-from poolloader.worker import stall
-from poolloader.worker.stall import STACK_SIGNAL, busy_stamp, format_dump, read_stamp
+from poolloader.main import stall
+from poolloader.main.stall import format_dump
+from poolloader.worker.stall import STACK_SIGNAL, busy_stamp, read_stamp
 
 
 def line_of(marker):

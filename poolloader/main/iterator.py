@@ -37,14 +37,13 @@ from torch.utils.data.dataloader import (
 
 from poolloader.cuda import gate
 from poolloader.errors import ControlCorrupt, SlotCorrupt, WorkerDied
-from poolloader.main import supervise
+from poolloader.main import stall, startup, supervise
 from poolloader.main.ledger import SlotLedger, plan_sizes
 from poolloader.main.stats import LoaderStats
 from poolloader.resume.tracker import IteratorSetup, ResumeTracker
 from poolloader.shm.pool import SlotPool
 from poolloader.wire import codec
 from poolloader.wire import slot_format as fmt
-from poolloader.worker import stall, startup
 from poolloader.worker.loop import WorkerConfig, worker_loop
 from poolloader.worker.popen import start_without_pipes
 
@@ -60,7 +59,7 @@ def _yields_int_lists(index_sampler) -> bool:
 
 
 def _stall_reporter(workers, pool: SlotPool, ledger: SlotLedger, sent: dict):
-    """What Replies calls for a stall report (poolloader.worker.stall): which worker owes which
+    """What Replies calls for a stall report (poolloader.main.stall): which worker owes which
     batch, since when, and its stack. A closure over the iterator's parts, not over the
     iterator, so that no cycle delays the iterator's shutdown when it is dropped."""
     def report() -> str:
@@ -136,7 +135,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                 init_fn = functools.partial(_sharding_worker_init_fn, init_fn,
                                             self._world_size, self._rank)
             # spawn / forkserver: the dataset, init_fn and collate_fn are pickled once
-            # into shared memory, not once per worker (poolloader.worker.startup)
+            # into shared memory, not once per worker (poolloader.main.startup)
             shared = startup.share((self._dataset, init_fn, self._collate_fn)) \
                 if n and startup.shares(ctx) else None
             self._shared_start = shared
@@ -415,7 +414,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
 
     def _heard(self, worker: int) -> None:
         """A worker replied, so it loaded its start arguments: once all have, main's
-        copy of them is released (poolloader.worker.startup)."""
+        copy of them is released (poolloader.main.startup)."""
         self._unheard.discard(worker)
         if not self._unheard and self._shared_start is not None:
             self._shared_start.close()

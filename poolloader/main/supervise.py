@@ -118,7 +118,7 @@ class Replies:
     waiting is added to `stats.main_wait_s`.
 
     A stall is shown, not only timed out: the timeout's RuntimeError carries
-    `stall_report()` (poolloader.worker.stall: which worker owes which batch, since when, its
+    `stall_report()` (poolloader.main.stall: which worker owes which batch, since when, its
     stack) after DataLoader's first line; a wait that lasts `stall_warning` seconds
     (None: never) warns once with the same report and goes on waiting."""
 
