@@ -609,9 +609,10 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
     def _untrack(self) -> None:
         supervise.untrack(self)
 
-    def _shutdown_at_exit(self) -> None:
-        """From atexit or a finaliser: no CUDA call (the process or the object is going
-        away); the next gate of this process finishes what is left."""
+    def shutdown_at_exit(self) -> None:
+        """What supervise.track's exit handler (and the finaliser) calls: no CUDA call
+        (the process or the object is going away); the next gate of this process
+        finishes what is left."""
         gate = getattr(self, "_gate", None)
         if gate is not None:
             gate.defer()
@@ -619,6 +620,6 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
 
     def __del__(self) -> None:
         try:
-            self._shutdown_at_exit()
+            self.shutdown_at_exit()
         except Exception:
             pass

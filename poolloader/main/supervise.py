@@ -34,11 +34,11 @@ def _stop_all() -> None:
     with _live_lock:
         owners = list(_live)
     for owner in owners:
-        owner._shutdown_at_exit()
+        owner.shutdown_at_exit()
 
 
 def track(owner) -> None:
-    """`owner._shutdown_at_exit()` runs at interpreter exit unless it was shut down before."""
+    """`owner.shutdown_at_exit()` runs at interpreter exit unless it was shut down before."""
     with _live_lock:
         _live.add(owner)
 
