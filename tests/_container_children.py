@@ -7,7 +7,13 @@
   bounded. Prints one JSON line of what happened.
 * `hold`: a PoolLoader (default backend) mid-epoch with batches held; prints
   "READY <main pid> <worker pids>" and waits (at most 60 s) to be killed.
+* `cgroup-cache FILE CGROUP`: run inside the memory cgroup CGROUP (its test moved this
+  process there before exec): read all of FILE, so the cgroup's page cache fills to
+  its limit; then one epoch of samples read from FILE with DataLoader, the same epoch
+  with PoolLoader (default backend), an epoch whose slots grow after the first
+  batches, and a pool larger than the cgroup can give. Prints one JSON line.
 """
+import hashlib
 import json
 import os
 import sys
@@ -90,5 +96,91 @@ def hold() -> None:
     del held
 
 
+class FileSamples(torch.utils.data.Dataset):
+    """Sample i: `sizes[i]` bytes of the file at an offset spread over all of it (each
+    epoch reads across the file, as a job reading its data does)."""
+
+    def __init__(self, path: str, sizes: list[int]):
+        self.path, self.sizes = path, sizes
+        self.span = os.path.getsize(path) - max(sizes)
+
+    def __len__(self):
+        return len(self.sizes)
+
+    def __getitem__(self, i):
+        with open(self.path, "rb", buffering=0) as f:
+            f.seek(i * 104_729 * 4096 % self.span)
+            return torch.frombuffer(bytearray(f.read(self.sizes[i])), dtype=torch.uint8)
+
+
+def _cache_stat(cgroup: str) -> dict:
+    with open(os.path.join(cgroup, "memory.stat")) as f:
+        stat = dict((k, int(v)) for k, v in (line.split() for line in f))
+    return {"cache": stat["total_inactive_file"] + stat["total_active_file"],
+            "shmem": stat["total_shmem"], "rss": stat["total_rss"]}
+
+
+def _digests(loader) -> list[str]:
+    return [hashlib.sha1(memoryview(batch.numpy())).hexdigest() for batch in loader]
+
+
+def cgroup_cache(path: str, cgroup: str) -> None:
+    from poolloader.shm.memfd import memory_available
+    with open("/proc/self/cgroup") as f:
+        out: dict = {"cgroup": [line.split(":", 2)[2] for line in f.read().splitlines()
+                                if line.split(":")[1] == "memory"]}
+    with open(path, "rb", buffering=0) as f:  # the job reads its data
+        while f.read(8 << 20):
+            pass
+    out["after_read"] = _cache_stat(cgroup)
+    out["available_after_read"] = memory_available()
+    mib = 1 << 20
+
+    # 1. one epoch, DataLoader then PoolLoader: 2 MiB samples, 8 MiB batches
+    data = FileSamples(path, [2 * mib] * 48)
+    out["dataloader"] = _digests(DataLoader(data, batch_size=4, num_workers=2, timeout=120))
+    try:
+        out["pool"] = _digests(PoolLoader(data, batch_size=4, num_workers=2, timeout=120))
+    except ShmSpaceError as e:
+        out["pool"] = f"ShmSpaceError: {e}"
+
+    # 2. slots grow after the cache filled: 256 KiB samples first, then 2 MiB ones
+    data = FileSamples(path, [mib // 4] * 16 + [2 * mib] * 32)
+    out["growth_dataloader"] = _digests(DataLoader(data, batch_size=4, num_workers=2, timeout=120))
+    loader = PoolLoader(data, batch_size=4, num_workers=2, timeout=120, slot_bytes=mib)
+    try:
+        out["growth"] = _digests(loader)
+    except ShmSpaceError as e:
+        out["growth"] = f"ShmSpaceError: {e}"
+    out["slot_growths"] = loader.stats.slot_growths
+    out["during_growth_run"] = _cache_stat(cgroup)
+
+    # 3. nearly all of what it counts as available is there: a pool of that size is
+    # made (its pages reserved: reclaim frees the cache) and delivers batches
+    free = memory_available()[0]
+    out["near_free"] = free
+    try:
+        loader = PoolLoader(data, batch_size=4, num_workers=1, prefetch_factor=1, slots=2,
+                            max_slots=2, slot_bytes=max(mib, (free - 96 * mib) // 2))
+        it = iter(loader)
+        out["near"] = [int(next(it).numel()) for _ in range(4)]
+        out["near_pool_bytes"] = loader.stats.pool_bytes
+        out["after_near"] = _cache_stat(cgroup)
+        del it
+    except ShmSpaceError as e:
+        out["near"] = f"ShmSpaceError: {e}"
+
+    # 4. what the cgroup cannot give even with its cache reclaimed: refused, not OOM
+    free = memory_available()[0]
+    out["refused_free"] = free
+    try:
+        next(iter(PoolLoader(data, batch_size=4, num_workers=2, slots=2,
+                             slot_bytes=free // 2 + 16 * mib)))  # 32 MiB too many
+        out["refused"] = "ran"
+    except ShmSpaceError as e:
+        out["refused"] = f"ShmSpaceError: {e}"
+    print(json.dumps(out), flush=True)
+
+
 if __name__ == "__main__":
-    {"small-shm": small_shm, "hold": hold}[sys.argv[1]]()
+    {"small-shm": small_shm, "hold": hold, "cgroup-cache": cgroup_cache}[sys.argv[1]](*sys.argv[2:])

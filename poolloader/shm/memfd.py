@@ -27,8 +27,19 @@ Sizes are sealed (F_SEAL_SHRINK | F_SEAL_GROW): no process can truncate a segmen
 under another's mapping (which would SIGBUS it). Pages are reserved at creation
 (posix_fallocate), so memory that is not there is a clear error now, not a SIGBUS
 or an OOM kill mid-epoch; before that, the request is checked against what the
-memory cgroup allows (memory.max − memory.current, or v1's limit − usage) and the
-machine's MemAvailable, whichever is smaller.
+memory cgroup allows and the machine's MemAvailable, whichever is smaller.
+
+What a memory cgroup allows is its limit less its working set, as the kubelet counts
+it: usage less the clean page cache that reclaim frees when a charge meets the limit
+(memory.max − memory.current + inactive_file + active_file in v2's memory.stat;
+v1: memory.limit_in_bytes − memory.usage_in_bytes + total_inactive_file +
+total_active_file). A job that has read its data has a cgroup full of cache, and
+that cache gives way to a segment as it gives way to DataLoader's workers. Dirty
+pages and pages under writeback are not counted (reclaim cannot free them without
+waiting on the disk), nor is shmem — tmpfs, /dev/shm and memfd segments, this
+pool's own among them — which the kernel keeps on the anonymous lists, never on the
+file ones: with no swap, charging more than the limit less all of that would wake
+the OOM killer, so such a request is refused here.
 """
 from __future__ import annotations
 
@@ -62,9 +73,18 @@ def _read_int(path: str) -> int | None:
         return None
 
 
-def _cgroup_dirs() -> list[tuple[str, str, str]]:
-    """(directory, limit file, usage file) of every memory cgroup level above this
-    process that is visible here, innermost first (v2 unified, or v1 memory)."""
+# memory.stat keys, per cgroup version: (clean file cache that reclaim frees, the part
+# of it that is dirty or under writeback). v1's "total_" keys count the whole subtree,
+# as its usage does; v2's memory.stat is hierarchical already.
+_STAT_KEYS = {
+    "v2": (("inactive_file", "active_file"), ("file_dirty", "file_writeback")),
+    "v1": (("total_inactive_file", "total_active_file"), ("total_dirty", "total_writeback")),
+}
+
+
+def _cgroup_dirs() -> list[tuple[str, str, str, str]]:
+    """(directory, limit file, usage file, "v1" or "v2") of every memory cgroup level
+    above this process that is visible here, innermost first (v2 unified, or v1 memory)."""
     try:
         with open("/proc/self/cgroup") as f:
             lines = f.read().splitlines()
@@ -74,12 +94,12 @@ def _cgroup_dirs() -> list[tuple[str, str, str]]:
     for line in lines:
         hid, controllers, path = (line.split(":", 2) + ["", ""])[:3]
         if hid == "0" and controllers == "":
-            mount, limit, usage = CGROUP_ROOT, "memory.max", "memory.current"
+            mount, limit, usage, version = CGROUP_ROOT, "memory.max", "memory.current", "v2"
             if not os.path.exists(os.path.join(mount, "cgroup.controllers")):
                 mount = os.path.join(CGROUP_ROOT, "unified")
         elif "memory" in controllers.split(","):
-            mount, limit, usage = os.path.join(CGROUP_ROOT, "memory"), "memory.limit_in_bytes", \
-                "memory.usage_in_bytes"
+            mount, limit, usage, version = os.path.join(CGROUP_ROOT, "memory"), \
+                "memory.limit_in_bytes", "memory.usage_in_bytes", "v1"
         else:
             continue
         # Inside a cgroup namespace the path is relative to the mount's root; outside
@@ -88,16 +108,44 @@ def _cgroup_dirs() -> list[tuple[str, str, str]]:
         while True:
             directory = os.path.join(mount, *parts)
             if os.path.isdir(directory):
-                found.append((directory, limit, usage))
+                found.append((directory, limit, usage, version))
             if not parts:
                 break
             parts.pop()
     return found
 
 
+def _read_stat(directory: str) -> dict[str, int]:
+    """A cgroup's memory.stat as {key: value}; empty where it cannot be read."""
+    stat: dict[str, int] = {}
+    try:
+        with open(os.path.join(directory, "memory.stat")) as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                try:
+                    stat[key] = int(value)
+                except ValueError:
+                    pass
+    except OSError:
+        pass
+    return stat
+
+
+def reclaimable(directory: str, version: str) -> tuple[int, str]:
+    """(bytes of clean page cache reclaim frees in this cgroup, how that was counted):
+    inactive + active file pages less those dirty or under writeback (module docstring)."""
+    (cache_keys, dirty_keys) = _STAT_KEYS[version]
+    stat = _read_stat(directory)
+    cache = sum(stat.get(k, 0) for k in cache_keys)
+    dirty = sum(stat.get(k, 0) for k in dirty_keys)
+    return max(0, cache - dirty), (f"{' + '.join(cache_keys)} ({cache}) less "
+                                   f"{' + '.join(dirty_keys)} ({dirty}) in memory.stat")
+
+
 def memory_available() -> tuple[int, str]:
     """(bytes a new segment may use, what bounds it): the tightest memory cgroup's
-    limit − usage where a limit is set, else /proc/meminfo's MemAvailable."""
+    limit less its working set (usage less reclaimable page cache) where a limit is
+    set, else /proc/meminfo's MemAvailable."""
     best, where = None, ""
     try:
         with open("/proc/meminfo") as f:
@@ -107,15 +155,17 @@ def memory_available() -> tuple[int, str]:
                     break
     except OSError:
         pass
-    for directory, limit_file, usage_file in _cgroup_dirs():
+    for directory, limit_file, usage_file, version in _cgroup_dirs():
         limit = _read_int(os.path.join(directory, limit_file))
         usage = _read_int(os.path.join(directory, usage_file))
         if limit is None or usage is None or limit >= 1 << 62:
             continue  # no limit at this level
-        free = max(0, limit - usage)
+        cache, counted = reclaimable(directory, version)
+        free = max(0, limit - (usage - min(cache, usage)))
         if best is None or free < best:
             best, where = free, (f"the memory cgroup's {limit_file} ({limit}) minus "
-                                 f"{usage_file} ({usage}) in {directory}")
+                                 f"{usage_file} ({usage}) plus its reclaimable page cache, "
+                                 f"{counted}, in {directory}")
     if best is None:
         best, where = 1 << 62, "no limit found"
     return best, where
