@@ -12,12 +12,20 @@
   its limit; then one epoch of samples read from FILE with DataLoader, the same epoch
   with PoolLoader (default backend), an epoch whose slots grow after the first
   batches, and a pool larger than the cgroup can give. Prints one JSON line.
+* `no-proc-fd METHOD`: run without CAP_SYS_PTRACE (its test starts it under setpriv
+  or capsh); makes itself non-dumpable (prctl PR_SET_DUMPABLE 0), so no other process
+  of its user may open /proc/<its pid>/fd/N, then runs PoolLoader epochs with workers
+  started by METHOD: the default backend twice, shm_backend="posix", and
+  shm_backend="memfd". Prints one JSON line.
 """
+import ctypes
 import hashlib
 import json
+import multiprocessing
 import os
 import sys
 import time
+import warnings
 
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),
                 os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
@@ -182,5 +190,55 @@ def cgroup_cache(path: str, cgroup: str) -> None:
     print(json.dumps(out), flush=True)
 
 
+PR_SET_DUMPABLE = 4
+
+
+def _a_child_opens(path: str) -> bool:
+    """Whether a forked child of this process can open `path` as a worker would."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(os.open(path, os.O_RDWR))
+            os._exit(0)
+        except OSError:
+            os._exit(1)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+
+
+def _epoch(data, method: str, backend) -> dict:
+    """One epoch of `data` with 2 workers of `method`: whether every batch was right,
+    which backend the pool used, or the error."""
+    loader = PoolLoader(data, batch_size=8, num_workers=2, timeout=60, shm_backend=backend,
+                        multiprocessing_context=multiprocessing.get_context(method))
+    try:
+        it = iter(loader)
+        used = "posix" if it.shm_prefix is not None else "memfd"
+        right = all(torch.equal(batch, data[8 * k:8 * (k + 1)]) for k, batch in enumerate(it))
+        return {"right": right, "batches": loader.stats.batches, "backend": used}
+    except Exception as e:  # noqa: BLE001 - whatever it raises is the observation
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def no_proc_fd(method: str) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0)")
+    probe = os.memfd_create("no-proc-fd-probe", os.MFD_CLOEXEC)
+    out: dict = {"child_opens": _a_child_opens(f"/proc/{os.getpid()}/fd/{probe}")}
+    os.close(probe)
+    with open("/proc/self/status") as f:
+        out["cap_eff"] = next(line.split()[1] for line in f if line.startswith("CapEff:"))
+    data = torch.arange(64 * 256, dtype=torch.float32).view(64, 256)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out["default"] = [_epoch(data, method, None), _epoch(data, method, None)]
+        out["posix"] = _epoch(data, method, "posix")
+        out["memfd"] = _epoch(data, method, "memfd")
+    out["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught
+                       if "poolloader" in str(w.message).lower()]
+    print(json.dumps(out), flush=True)
+
+
 if __name__ == "__main__":
-    {"small-shm": small_shm, "hold": hold, "cgroup-cache": cgroup_cache}[sys.argv[1]](*sys.argv[2:])
+    {"small-shm": small_shm, "hold": hold, "cgroup-cache": cgroup_cache,
+     "no-proc-fd": no_proc_fd}[sys.argv[1]](*sys.argv[2:])

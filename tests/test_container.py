@@ -5,14 +5,17 @@ The default (memfd) backend puts slots in anonymous shared memory: no /dev/shm s
 no names, freed by the kernel when the last process holding a segment dies. These
 tests run real loaders: in a private mount namespace with Docker's default 64 MiB
 /dev/shm (skipped, with the reason, where `unshare -m` is not permitted), in a memory
-cgroup of their own (skipped, with the reason, where one cannot be made), under
-SIGKILL of every process, and with a consumer that keeps and drops many batches.
+cgroup of their own (skipped, with the reason, where one cannot be made), with a main
+process whose /proc/<pid>/fd its workers cannot open (non-dumpable, no CAP_SYS_PTRACE),
+under SIGKILL of every process, and with a consumer that keeps and drops many batches.
 """
 from __future__ import annotations
 
 import gc
 import json
 import os
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -189,6 +192,61 @@ def test_a_memory_limit_full_of_page_cache_runs_the_epochs_dataloader_runs(tmp_p
         _remove_cgroup(cgroup)
         if os.path.exists(path):
             os.unlink(path)
+
+
+CAP_SYS_PTRACE = 19
+
+
+def _without_ptrace() -> tuple[list[str] | None, str]:
+    """(a command prefix that runs its command with CAP_SYS_PTRACE dropped from the
+    effective, inheritable and bounding sets, or None; why not): setpriv, else capsh."""
+    if shutil.which("setpriv"):
+        def prefix(argv):
+            return ["setpriv", "--inh-caps=-sys_ptrace", "--bounding-set=-sys_ptrace"] + argv
+    elif shutil.which("capsh"):
+        def prefix(argv):
+            return ["capsh", "--drop=cap_sys_ptrace", "--", "-c", "exec " + shlex.join(argv)]
+    else:
+        return None, "neither setpriv nor capsh is installed to drop CAP_SYS_PTRACE"
+    try:
+        probe = subprocess.run(prefix(["grep", "^CapEff:", "/proc/self/status"]),
+                               capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return None, f"CAP_SYS_PTRACE cannot be dropped here: {e}"
+    if probe.returncode or int(probe.stdout.split()[1], 16) & (1 << CAP_SYS_PTRACE):
+        return None, f"CAP_SYS_PTRACE cannot be dropped here: {probe.stdout} {probe.stderr}"
+    return prefix([]), ""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_workers_that_cannot_open_main_s_proc_fd_get_posix_segments_with_one_warning(method):
+    """A non-dumpable main (prctl PR_SET_DUMPABLE 0) and no CAP_SYS_PTRACE: no worker
+    may open /proc/<main>/fd/N. The default backend falls back to POSIX with one
+    warning saying why, shm_backend="posix" runs (its start-up arguments need no /proc
+    either), shm_backend="memfd" is a clear error naming the way out."""
+    prefix, reason = _without_ptrace()
+    if prefix is None:
+        pytest.skip(reason)
+    child = subprocess.Popen(prefix + [sys.executable, CHILDREN, "no-proc-fd", method],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = communicate_within(child, 240, "the non-dumpable child")
+    assert child.returncode == 0, err[-3000:]
+    result = json.loads(out.strip().splitlines()[-1])
+    print(result)
+    assert not int(result["cap_eff"], 16) & (1 << CAP_SYS_PTRACE)
+    if result["child_opens"]:
+        pytest.skip("here a child still opens a non-dumpable parent's /proc/<pid>/fd "
+                    "without CAP_SYS_PTRACE: nothing to fall back from")
+    ran = {"right": True, "batches": 8, "backend": "posix"}
+    assert result["default"] == [ran, ran], result["default"]
+    assert result["posix"] == ran, result["posix"]
+    refused = result["memfd"].get("error", "")
+    assert refused.startswith("OSError: shm_backend='memfd' cannot be used here"), result["memfd"]
+    assert "/proc/<main pid>/fd" in refused and "use shm_backend='posix'" in refused
+    assert len(result["warnings"]) == 1, result["warnings"]  # two pools, one warning
+    assert "shm_backend='posix'" in result["warnings"][0]
+    assert "/proc/<main pid>/fd" in result["warnings"][0]
 
 
 def _names_of(pids) -> list[str]:

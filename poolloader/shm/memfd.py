@@ -12,10 +12,14 @@ every worker has mapped it (the ack table, as for the POSIX backend's names), an
 worker opens it as /proc/<main pid>/fd/<n>. That is an ordinary open of the same
 inode, needing the same uid and PTRACE_MODE_READ, which Yama's ptrace_scope does not
 restrict (it restricts attaching only); it needs /proc mounted, as every container
-runtime does. The slot table carries the descriptor number and the inode; a worker
-checks the inode after opening, because main may have closed that number and reused
-it for a newer segment meanwhile (then it retries at its next sync), and because a
-dead main's pid can be reused. Weighed and not taken: SCM_RIGHTS needs a socket per
+runtime does, and a main process that is dumpable (or workers with CAP_SYS_PTRACE),
+which an LSM may also forbid. So the backend is judged, once per process, by what a
+worker does: a forked child opens one of main's memfds through /proc (supported());
+where that fails the pool falls back to the POSIX backend with one warning. The
+slot table carries the descriptor number and the inode; a worker checks the inode
+after opening, because main may have closed that number and reused it for a newer
+segment meanwhile (then it retries at its next sync), and because a dead main's pid
+can be reused. Weighed and not taken: SCM_RIGHTS needs a socket per
 worker that spawn and forkserver children must be handed, and a send per segment
 per worker that main must not block on; pidfd_getfd (Linux 5.6) needs
 PTRACE_MODE_ATTACH, which Yama's default scope 1 refuses to a worker reaching its
@@ -46,6 +50,9 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import select
+import signal
+import warnings
 
 from poolloader.errors import ShmSpaceError
 from poolloader.shm import fork
@@ -200,6 +207,11 @@ def supported() -> str | None:
 
 
 def _probe() -> str | None:
+    """What workers do, tried once: a child process opens one of this process's memfds
+    through /proc/<pid>/fd. Opening it from here proves nothing: a process may always
+    open its own descriptors, while another needs PTRACE_MODE_READ over it, which a
+    non-dumpable main (prctl PR_SET_DUMPABLE 0, a credential change), an LSM or a
+    container without CAP_SYS_PTRACE in front of such a main refuses."""
     if not hasattr(os, "memfd_create"):
         return "os.memfd_create is not available (Linux 3.17+, Python 3.8+)"
     try:
@@ -207,13 +219,67 @@ def _probe() -> str | None:
     except OSError as e:
         return f"memfd_create failed: {e}"
     try:
-        probe = os.open(f"/proc/{os.getpid()}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
-    except OSError as e:
-        return f"workers could not open main's segments through /proc/<pid>/fd ({e})"
+        return _child_opens(f"/proc/{os.getpid()}/fd/{fd}")
     finally:
         os.close(fd)
-    os.close(probe)
-    return None
+
+
+PROBE_TIMEOUT_S = 10.0
+
+
+def _child_opens(path: str) -> str | None:
+    """None if a forked child of this process can open `path` read-write, as a worker
+    opens main's segments; else why not. The child does nothing else: one open, one
+    write of its errno to a pipe, _exit. A forked child has exactly main's credentials
+    and capabilities (a spawned worker's exec gives root no more than its bounding set,
+    and main itself was started the same way). The answer travels through the pipe, not
+    the exit status, which a SIGCHLD set to SIG_IGN would take away."""
+    r, w = os.pipe2(os.O_CLOEXEC)
+    try:
+        with warnings.catch_warnings():
+            # Python 3.12+ warns of fork() in a threaded process: the child runs no
+            # Python code beyond the at-fork hooks, one open and _exit
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:  # the child
+            code = 255
+            try:
+                try:
+                    os.close(os.open(path, os.O_RDWR | os.O_CLOEXEC))
+                    code = 0
+                except OSError as e:
+                    code = e.errno if e.errno and e.errno < 255 else 255
+                os.write(w, bytes([code]))
+            finally:
+                os._exit(0)
+        os.close(w)
+        w = -1
+        ready, _, _ = select.select([r], [], [], PROBE_TIMEOUT_S)
+        answer = os.read(r, 1) if ready else b""
+        if not answer:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass  # reaped already (SIGCHLD ignored)
+    finally:
+        os.close(r)
+        if w >= 0:
+            os.close(w)
+    if answer == b"\0":
+        return None
+    if not answer:
+        return (f"a child process given {PROBE_TIMEOUT_S:.0f} s to open main's segments "
+                f"through {path}, as workers do, did not answer")
+    code = answer[0]
+    why = os.strerror(code) if code != 255 else "an error"
+    return (f"a child process cannot open main's segments through /proc/<main pid>/fd as "
+            f"workers do ({why}: a main process that is not dumpable, after prctl "
+            "PR_SET_DUMPABLE 0 or a change of credentials, where children lack "
+            "CAP_SYS_PTRACE; or an LSM's policy)")
 
 
 def create(nbytes: int, what: str, label: str, dontfork: bool = True) -> tuple[Mapping, int, int]:
