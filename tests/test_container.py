@@ -73,6 +73,7 @@ def test_rfdetr_batches_with_8_workers_in_a_64_mib_dev_shm():
 
 CGROUP_LIMIT = 512 << 20
 DATA_FILE_BYTES = 1 << 30
+CANNOT_JOIN = 97  # the shell's status when it cannot move itself into the cgroup
 
 
 def _make_memory_cgroup(name: str, limit: int) -> tuple[str | None, str]:
@@ -165,10 +166,12 @@ def test_a_memory_limit_full_of_page_cache_runs_the_epochs_dataloader_runs(tmp_p
         _write_uncached(path, DATA_FILE_BYTES)
         # the shell moves itself (so the child it becomes) into the cgroup, then execs
         child = subprocess.Popen(
-            ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', cgroup,
-             sys.executable, CHILDREN, "cgroup-cache", path, cgroup],
+            ["sh", "-c", f'echo $$ > "$0/cgroup.procs" || exit {CANNOT_JOIN}; exec "$@"',
+             cgroup, sys.executable, CHILDREN, "cgroup-cache", path, cgroup],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         out, err = communicate_within(child, 540, "the memory-limited child")
+        if child.returncode == CANNOT_JOIN:  # v2's rule: no process in an inner node
+            pytest.skip(f"a process cannot join the new cgroup {cgroup}: {err.strip()}")
         oom_kills = _oom_kills(cgroup)
         assert child.returncode == 0, (child.returncode, oom_kills, err[-3000:])
         result = json.loads(out.strip().splitlines()[-1])
