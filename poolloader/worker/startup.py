@@ -11,12 +11,13 @@ few integers. Main keeps the segment's descriptor until every worker has replied
 process that maps it.
 
 Under fork nothing is pickled at all (the child inherits the objects), and where
-anonymous shared memory cannot be used (memfd.supported()) the arguments travel as
-DataLoader's do. So do arguments that pickle only while a process is being spawned:
-multiprocessing's locks, events, queues and connections (they may be "shared between
-processes only through inheritance", and a queue's pipe needs its descriptor passed to
-each child), and anything else that cannot be pickled here: the start pipe then says
-what is wrong, as DataLoader's does.
+anonymous shared memory cannot be used (memfd.supported(): workers cannot open main's
+/proc/<pid>/fd), or the pool is POSIX (shm_backend="posix": the user's way out of
+/proc), the arguments travel as DataLoader's do. So do arguments that pickle only
+while a process is being spawned: multiprocessing's locks, events, queues and
+connections (they may be "shared between processes only through inheritance", and a
+queue's pipe needs its descriptor passed to each child), and anything else that cannot
+be pickled here: the start pipe then says what is wrong, as DataLoader's does.
 """
 from __future__ import annotations
 
@@ -65,11 +66,12 @@ def share(payload: Any) -> SharedStart | None:
         return None
 
 
-def shares(ctx) -> bool:
+def shares(ctx, backend: str = "memfd") -> bool:
     """Whether workers of this multiprocessing context should load their arguments from
-    a SharedStart: they are pickled (not fork) and anonymous shared memory works."""
+    a SharedStart: they are pickled (not fork), the pool's `backend` is memfd (a POSIX
+    pool's workers must not need /proc either) and anonymous shared memory works."""
     method = ctx.get_start_method() if hasattr(ctx, "get_start_method") else None
-    return method in ("spawn", "forkserver") and memfd.supported() is None
+    return method in ("spawn", "forkserver") and backend == "memfd" and memfd.supported() is None
 
 
 def load(ticket: tuple) -> Any:
