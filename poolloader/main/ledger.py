@@ -12,7 +12,8 @@ Slot states, all owned by main except IN_WORKER (invariant 1):
                `released` (a C-level deque.append, any thread) and `drain()` makes
                the slot FREE again
 
-Ownership (docs/how-it-works.md, "Ownership mechanisms"): a request never waits for the consumer. When a request
+Ownership (docs/how-it-works.md, "Ownership mechanisms"): a request never waits for
+the consumer. When a request
 needs a slot and none is FREE, the oldest LEASED slot is *detached*: its segment
 leaves the pool and stays with the batch that still views it (like a DataLoader
 batch, freed when its last tensor dies), and the slot gets a fresh segment. A slot

@@ -66,7 +66,8 @@ def _parent_alive(slots: WorkerSlots) -> bool:
 
 def _sync(slots: WorkerSlots, writer: codec.SlotWriter, slot: int | None = None):
     """Map what main changed in the pool and drop every view of a segment that left it
-    (only live memory stays mapped: docs/how-it-works.md, "Slot lifecycle"); with `slot`, return its mapping."""
+    (only live memory stays mapped: docs/how-it-works.md, "Slot lifecycle"); with
+    `slot`, return its mapping."""
     slots.sync()
     mapping = None if slot is None else slots.mapping(slot)
     if slots.dropped:
