@@ -11,8 +11,8 @@ import proc
 import pytest
 
 from poolloader.errors import ShmSpaceError
+from poolloader.shm.backend import PAGE, page_round
 from poolloader.shm.pool import SlotPool, WorkerSlots
-from poolloader.shm.segments import PAGE, page_round
 
 
 def exists(handle) -> bool:
@@ -148,7 +148,7 @@ def test_close_unlinks_every_name_and_keeps_viewed_memory_mapped(pool):
 
 
 def test_memfd_space_check_names_the_memory_and_the_knob():
-    from poolloader.shm.memfd import memory_available
+    from poolloader.shm.backends.memfd import memory_available
     free, where = memory_available()
     with open("/proc/meminfo") as f:
         mem_available = next(int(line.split()[1]) * 1024 for line in f
