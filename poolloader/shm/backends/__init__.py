@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
-from poolloader.shm.backend import Backend
+if TYPE_CHECKING:  # PoolLoader() checks a kind without loading any backend
+    from poolloader.shm.backend import Backend
 
 # The default first, then the fallback order; a kind not listed comes after these,
 # in name order.
@@ -29,4 +30,4 @@ def load(kind: str) -> Backend:
     """The backend module of that kind; ValueError naming the kinds there are otherwise."""
     if kind not in kinds():
         raise ValueError(f"shm_backend must be one of {kinds()}, got {kind!r}")
-    return cast(Backend, importlib.import_module(f"{__name__}.{kind}"))
+    return cast("Backend", importlib.import_module(f"{__name__}.{kind}"))
