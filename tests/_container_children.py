@@ -133,7 +133,7 @@ def _digests(loader) -> list[str]:
 
 
 def cgroup_cache(path: str, cgroup: str) -> None:
-    from poolloader.shm.memfd import memory_available
+    from poolloader.shm.backends.memfd import memory_available
     with open("/proc/self/cgroup") as f:
         out: dict = {"cgroup": [line.split(":", 2)[2] for line in f.read().splitlines()
                                 if line.split(":")[1] == "memory"]}

@@ -11,8 +11,8 @@ import proc
 import pytest
 
 from poolloader.errors import ShmSpaceError
+from poolloader.shm.backend import PAGE, page_round
 from poolloader.shm.pool import SlotPool, WorkerSlots
-from poolloader.shm.segments import PAGE, page_round
 
 
 def exists(handle) -> bool:
@@ -148,7 +148,7 @@ def test_close_unlinks_every_name_and_keeps_viewed_memory_mapped(pool):
 
 
 def test_memfd_space_check_names_the_memory_and_the_knob():
-    from poolloader.shm.memfd import memory_available
+    from poolloader.shm.backends.memfd import memory_available
     free, where = memory_available()
     with open("/proc/meminfo") as f:
         mem_available = next(int(line.split()[1]) * 1024 for line in f
@@ -164,7 +164,7 @@ def test_memfd_space_check_names_the_memory_and_the_knob():
 def test_memfd_space_check_counts_clean_page_cache_of_either_cgroup_version(tmp_path):
     """The keys each version's memory.stat has (v2's are what this host may not show):
     inactive + active file pages, less dirty and writeback ones; shmem never counts."""
-    from poolloader.shm.memfd import reclaimable
+    from poolloader.shm.backends.memfd import reclaimable
     (tmp_path / "memory.stat").write_text(
         "anon 100\nfile 9000\nshmem 4000\ninactive_file 3000\nactive_file 2000\n"
         "file_dirty 400\nfile_writeback 100\n")

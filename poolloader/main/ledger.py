@@ -39,8 +39,8 @@ from typing import NamedTuple
 
 from poolloader.cuda.gate import COOL_TIMEOUT_S
 from poolloader.errors import ShmSpaceError, SlotCorrupt, warn
+from poolloader.shm.backend import page_round, retire
 from poolloader.shm.pool import SlotPool
-from poolloader.shm.segments import page_round, retire
 from poolloader.wire import slot_format as fmt
 
 # Headroom when a slot grows.

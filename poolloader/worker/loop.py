@@ -58,7 +58,7 @@ class WorkerConfig:
 
 def _parent_alive(slots: WorkerSlots) -> bool:
     """Whether main (the pool's owner) still lives: its owner lock on the control
-    segment is still held (poolloader.shm.segments). Neither the worker's parent (under
+    segment is still held (poolloader.shm.backend). Neither the worker's parent (under
     forkserver, the forkserver) nor main's pid (reusable, namespace-relative) is
     consulted, so this is exact under fork, spawn and forkserver; one fcntl."""
     return slots.owner_alive()

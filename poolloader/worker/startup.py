@@ -27,8 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from poolloader.shm import fork, memfd
-from poolloader.shm.segments import retire
+from poolloader.shm import fork
+from poolloader.shm.backend import retire
+from poolloader.shm.backends import memfd
 
 
 class SharedStart:

@@ -47,18 +47,20 @@ the OOM killer, so such a request is refused here.
 """
 from __future__ import annotations
 
-import errno
 import fcntl
 import os
+import resource
 import select
 import signal
 import warnings
 
-from poolloader.errors import ShmSpaceError
 from poolloader.shm import fork
 from poolloader.shm._shm import Mapping
-from poolloader.shm.segments import owner_lock_held, take_owner_lock
+from poolloader.shm.backend import Space, owner_lock_held, release_owner_lock, take_owner_lock
 
+KIND = "memfd"
+DESCRIPTION = "anonymous segments (memfd_create)"
+FD_MARGIN = 16  # descriptors left to the user and to torch when this backend is chosen
 NAME = "poolloader"  # what /proc/<pid>/maps shows: /memfd:poolloader-<what> (deleted)
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL if hasattr(fcntl, "F_SEAL_SEAL") else 0
 CGROUP_ROOT = "/sys/fs/cgroup"
@@ -178,18 +180,9 @@ def memory_available() -> tuple[int, str]:
     return best, where
 
 
-def space_error(nbytes: int, what: str) -> ShmSpaceError:
-    free, where = memory_available()
-    return ShmSpaceError(
-        f"poolloader needs {nbytes} bytes of memory for {what}, but only {free} bytes are "
-        f"available ({where}). Raise the container's memory limit (Docker: --memory; "
-        "Kubernetes: resources.limits.memory), or lower slot_bytes, prefetch_factor or "
-        "num_workers. (This memory is not /dev/shm: --shm-size does not change it.)")
-
-
-def check_space(nbytes: int, what: str) -> None:
-    if nbytes > memory_available()[0]:
-        raise space_error(nbytes, what)
+SPACE = Space("memory", "Raise the container's memory limit (Docker: --memory; Kubernetes: "
+              "resources.limits.memory)", lambda: memory_available(),  # looked up per call
+              "This memory is not /dev/shm: --shm-size does not change it.")
 
 
 # -- main side ---------------------------------------------------------------------------
@@ -292,13 +285,7 @@ def create(nbytes: int, what: str, label: str, dontfork: bool = True) -> tuple[M
         fork.hold(fd)
     try:
         os.ftruncate(fd, nbytes)
-        try:
-            os.posix_fallocate(fd, 0, nbytes)
-        except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
-                raise space_error(nbytes, what) from None
-            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                raise
+        SPACE.reserve(fd, nbytes, what)
         if _SEALS:
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
         mapping = Mapping(fd, nbytes, dontfork)
@@ -309,14 +296,29 @@ def create(nbytes: int, what: str, label: str, dontfork: bool = True) -> tuple[M
     return mapping, fd, inode
 
 
-def claim_control(nbytes: int) -> tuple[Mapping, int, int]:
-    """A new pool's control segment with its owner lock held: (mapping, fd, inode).
-    The fd is the pool's one descriptor for its whole life (segments.py: owner lock)."""
-    mapping, fd, inode = create(nbytes, "the control block", "control")
-    if not take_owner_lock(fd):
-        fork.release(fd)
-        raise RuntimeError("internal error: a new memfd's owner lock is already held")
-    return mapping, fd, inode
+def _descriptor_headroom() -> int:
+    """Descriptors this process may still open (RLIMIT_NOFILE's soft limit less those open)."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        return 1 << 30
+    try:
+        used = len(os.listdir("/proc/self/fd")) - 1
+    except OSError:
+        return soft
+    return soft - used
+
+
+def refuses(max_slots: int) -> str | None:
+    """supported()'s answer, or, where RLIMIT_NOFILE leaves fewer than `max_slots` +
+    FD_MARGIN descriptors, that: a pool can need one descriptor per slot for a moment (a
+    new segment's, until every worker has mapped it: all of them when the pool is made)."""
+    why_not = supported()
+    if why_not is None:
+        headroom = _descriptor_headroom()
+        if headroom < max_slots + FD_MARGIN:
+            why_not = (f"a pool of {max_slots} slots may hold {max_slots + 1} descriptors while "
+                       f"its workers attach, and RLIMIT_NOFILE leaves {headroom} (raise ulimit -n)")
+    return why_not
 
 
 # -- worker side -------------------------------------------------------------------------
@@ -356,11 +358,11 @@ def open_segment(main_pid: int, fd: int, inode: int, size: int, keep_fd: bool = 
     return mapping
 
 
-class MemfdSegments:
+class Segments:
     """Main side of the memfd backend (module docstring). A segment's descriptor is
     its release key: kept until every worker has mapped it, closed then."""
 
-    kind = "memfd"
+    kind = KIND
 
     def __init__(self, owner_pid: int):
         self.owner_pid = owner_pid
@@ -368,10 +370,15 @@ class MemfdSegments:
         self._fds: set[int] = set()  # slot segments' descriptors not yet released
 
     def check_space(self, nbytes: int, what: str) -> None:
-        check_space(nbytes, what)
+        SPACE.check(nbytes, what)
 
     def claim_control(self, nbytes: int) -> Mapping:
-        mapping, fd, inode = claim_control(nbytes)
+        """The control segment's descriptor is the pool's one descriptor for its whole
+        life: it carries the owner lock (poolloader.shm.backend)."""
+        mapping, fd, inode = create(nbytes, "the control block", "control")
+        if not take_owner_lock(fd):
+            release_owner_lock(fd)
+            raise RuntimeError("internal error: a new memfd's owner lock is already held")
         self._control = (fd, inode, nbytes)
         return mapping
 
@@ -386,7 +393,7 @@ class MemfdSegments:
         """(mapping, descriptor, inode, release key) of a new slot segment. Checked
         against the memory available first: under a cgroup limit, reserving pages that
         are not there may wake the OOM killer instead of failing."""
-        check_space(nbytes, what)
+        SPACE.check(nbytes, what)
         mapping, fd, inode = create(nbytes, what, f"slot{slot}")
         self._fds.add(fd)
         return mapping, fd, inode, fd
@@ -406,11 +413,11 @@ class MemfdSegments:
             fork.release(fd)
         self._fds.clear()
         if self._control is not None:
-            fork.release(self._control[0])  # the owner lock goes with it
+            release_owner_lock(self._control[0])
             self._control = None
 
 
-class MemfdAttachment:
+class Attachment:
     """Worker side: the control segment opened through main's /proc/<pid>/fd, and this
     worker's own descriptor of it, which answers whether main's owner lock is held."""
 
