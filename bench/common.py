@@ -615,7 +615,7 @@ def shm_names() -> set[str]:
 def names_of(pids, names=None) -> list[str]:
     """The /dev/shm names (of `names`, default all) that carry one of `pids`
     (as `pl2-<pid>-` or `torch_<pid>_`)."""
-    from poolloader.shm.segments import NAME_TAG
+    from poolloader.shm.backends.posix import NAME_TAG
 
     pids = set(pids)
     out = []

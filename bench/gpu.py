@@ -55,8 +55,8 @@ from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 from poolloader import PoolLoader  # noqa: E402
 from poolloader.cuda import gate as cuda
+from poolloader.shm.backends.posix import shm_free_bytes  # noqa: E402
 from poolloader.shm.pool import SlotPool  # noqa: E402
-from poolloader.shm.segments import shm_free_bytes  # noqa: E402
 from poolloader.wire.slot_format import DATA_OFF  # noqa: E402
 
 SLEEP_CYCLES = 50_000_000  # torch.cuda._sleep: ~30 ms on current GPUs

@@ -9,6 +9,7 @@ from torch.utils.data import DataLoader
 
 from poolloader.errors import warn
 from poolloader.main.stats import LoaderStats
+from poolloader.shm import backends
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -116,8 +117,8 @@ class PoolLoader(DataLoader[T_co]):
         self.slot_bytes = slot_bytes
         self.slots = slots
         self.max_slots = max_slots
-        if shm_backend is not None and shm_backend not in ("memfd", "posix"):
-            raise ValueError(f"shm_backend must be 'memfd' or 'posix', got {shm_backend!r}")
+        if shm_backend is not None and shm_backend not in backends.kinds():
+            raise ValueError(f"shm_backend must be one of {backends.kinds()}, got {shm_backend!r}")
         self.shm_limit = shm_limit
         self.shm_backend = shm_backend
         self.device = device

@@ -7,11 +7,25 @@
   bounded. Prints one JSON line of what happened.
 * `hold`: a PoolLoader (default backend) mid-epoch with batches held; prints
   "READY <main pid> <worker pids>" and waits (at most 60 s) to be killed.
+* `cgroup-cache FILE CGROUP`: run inside the memory cgroup CGROUP (its test moved this
+  process there before exec): read all of FILE, so the cgroup's page cache fills to
+  its limit; then one epoch of samples read from FILE with DataLoader, the same epoch
+  with PoolLoader (default backend), an epoch whose slots grow after the first
+  batches, and a pool larger than the cgroup can give. Prints one JSON line.
+* `no-proc-fd METHOD`: run without CAP_SYS_PTRACE (its test starts it under setpriv
+  or capsh); makes itself non-dumpable (prctl PR_SET_DUMPABLE 0), so no other process
+  of its user may open /proc/<its pid>/fd/N, then runs PoolLoader epochs with workers
+  started by METHOD: the default backend twice, shm_backend="posix", and
+  shm_backend="memfd". Prints one JSON line.
 """
+import ctypes
+import hashlib
 import json
+import multiprocessing
 import os
 import sys
 import time
+import warnings
 
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)),
                 os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
@@ -90,5 +104,141 @@ def hold() -> None:
     del held
 
 
+class FileSamples(torch.utils.data.Dataset):
+    """Sample i: `sizes[i]` bytes of the file at an offset spread over all of it (each
+    epoch reads across the file, as a job reading its data does)."""
+
+    def __init__(self, path: str, sizes: list[int]):
+        self.path, self.sizes = path, sizes
+        self.span = os.path.getsize(path) - max(sizes)
+
+    def __len__(self):
+        return len(self.sizes)
+
+    def __getitem__(self, i):
+        with open(self.path, "rb", buffering=0) as f:
+            f.seek(i * 104_729 * 4096 % self.span)
+            return torch.frombuffer(bytearray(f.read(self.sizes[i])), dtype=torch.uint8)
+
+
+def _cache_stat(cgroup: str) -> dict:
+    with open(os.path.join(cgroup, "memory.stat")) as f:
+        stat = dict((k, int(v)) for k, v in (line.split() for line in f))
+    return {"cache": stat["total_inactive_file"] + stat["total_active_file"],
+            "shmem": stat["total_shmem"], "rss": stat["total_rss"]}
+
+
+def _digests(loader) -> list[str]:
+    return [hashlib.sha1(memoryview(batch.numpy())).hexdigest() for batch in loader]
+
+
+def cgroup_cache(path: str, cgroup: str) -> None:
+    from poolloader.shm.backends.memfd import memory_available
+    with open("/proc/self/cgroup") as f:
+        out: dict = {"cgroup": [line.split(":", 2)[2] for line in f.read().splitlines()
+                                if line.split(":")[1] == "memory"]}
+    with open(path, "rb", buffering=0) as f:  # the job reads its data
+        while f.read(8 << 20):
+            pass
+    out["after_read"] = _cache_stat(cgroup)
+    out["available_after_read"] = memory_available()
+    mib = 1 << 20
+
+    # 1. one epoch, DataLoader then PoolLoader: 2 MiB samples, 8 MiB batches
+    data = FileSamples(path, [2 * mib] * 48)
+    out["dataloader"] = _digests(DataLoader(data, batch_size=4, num_workers=2, timeout=120))
+    try:
+        out["pool"] = _digests(PoolLoader(data, batch_size=4, num_workers=2, timeout=120))
+    except ShmSpaceError as e:
+        out["pool"] = f"ShmSpaceError: {e}"
+
+    # 2. slots grow after the cache filled: 256 KiB samples first, then 2 MiB ones
+    data = FileSamples(path, [mib // 4] * 16 + [2 * mib] * 32)
+    out["growth_dataloader"] = _digests(DataLoader(data, batch_size=4, num_workers=2, timeout=120))
+    loader = PoolLoader(data, batch_size=4, num_workers=2, timeout=120, slot_bytes=mib)
+    try:
+        out["growth"] = _digests(loader)
+    except ShmSpaceError as e:
+        out["growth"] = f"ShmSpaceError: {e}"
+    out["slot_growths"] = loader.stats.slot_growths
+    out["during_growth_run"] = _cache_stat(cgroup)
+
+    # 3. nearly all of what it counts as available is there: a pool of that size is
+    # made (its pages reserved: reclaim frees the cache) and delivers batches
+    free = memory_available()[0]
+    out["near_free"] = free
+    try:
+        loader = PoolLoader(data, batch_size=4, num_workers=1, prefetch_factor=1, slots=2,
+                            max_slots=2, slot_bytes=max(mib, (free - 96 * mib) // 2))
+        it = iter(loader)
+        out["near"] = [int(next(it).numel()) for _ in range(4)]
+        out["near_pool_bytes"] = loader.stats.pool_bytes
+        out["after_near"] = _cache_stat(cgroup)
+        del it
+    except ShmSpaceError as e:
+        out["near"] = f"ShmSpaceError: {e}"
+
+    # 4. what the cgroup cannot give even with its cache reclaimed: refused, not OOM
+    free = memory_available()[0]
+    out["refused_free"] = free
+    try:
+        next(iter(PoolLoader(data, batch_size=4, num_workers=2, slots=2,
+                             slot_bytes=free // 2 + 16 * mib)))  # 32 MiB too many
+        out["refused"] = "ran"
+    except ShmSpaceError as e:
+        out["refused"] = f"ShmSpaceError: {e}"
+    print(json.dumps(out), flush=True)
+
+
+PR_SET_DUMPABLE = 4
+
+
+def _a_child_opens(path: str) -> bool:
+    """Whether a forked child of this process can open `path` as a worker would."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(os.open(path, os.O_RDWR))
+            os._exit(0)
+        except OSError:
+            os._exit(1)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+
+
+def _epoch(data, method: str, backend) -> dict:
+    """One epoch of `data` with 2 workers of `method`: whether every batch was right,
+    which backend the pool used, or the error."""
+    loader = PoolLoader(data, batch_size=8, num_workers=2, timeout=60, shm_backend=backend,
+                        multiprocessing_context=multiprocessing.get_context(method))
+    try:
+        it = iter(loader)
+        used = "posix" if it.shm_prefix is not None else "memfd"
+        right = all(torch.equal(batch, data[8 * k:8 * (k + 1)]) for k, batch in enumerate(it))
+        return {"right": right, "batches": loader.stats.batches, "backend": used}
+    except Exception as e:  # noqa: BLE001 - whatever it raises is the observation
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def no_proc_fd(method: str) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0)")
+    probe = os.memfd_create("no-proc-fd-probe", os.MFD_CLOEXEC)
+    out: dict = {"child_opens": _a_child_opens(f"/proc/{os.getpid()}/fd/{probe}")}
+    os.close(probe)
+    with open("/proc/self/status") as f:
+        out["cap_eff"] = next(line.split()[1] for line in f if line.startswith("CapEff:"))
+    data = torch.arange(64 * 256, dtype=torch.float32).view(64, 256)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out["default"] = [_epoch(data, method, None), _epoch(data, method, None)]
+        out["posix"] = _epoch(data, method, "posix")
+        out["memfd"] = _epoch(data, method, "memfd")
+    out["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught
+                       if "poolloader" in str(w.message).lower()]
+    print(json.dumps(out), flush=True)
+
+
 if __name__ == "__main__":
-    {"small-shm": small_shm, "hold": hold}[sys.argv[1]]()
+    {"small-shm": small_shm, "hold": hold, "cgroup-cache": cgroup_cache,
+     "no-proc-fd": no_proc_fd}[sys.argv[1]](*sys.argv[2:])

@@ -150,7 +150,7 @@ def pid_reuse(method, what):
     what="all": main, workers and holder at once, and a new pool's sweep must remove
     them), then hand main's pid to a new process before anything is checked, so a
     check by pid finds that pid alive."""
-    from poolloader.shm.segments import sweep_stale
+    from poolloader.shm.backends.posix import sweep_stale
 
     main = subprocess.Popen([sys.executable, __file__, "main_until_killed", method, "1"],
                             stdout=subprocess.PIPE, text=True)
@@ -279,8 +279,8 @@ def _overwrite_control(prefix, mode):
     and overwrites one field of every ring (or pushes a slot index main never sent)."""
     import numpy as np
 
+    from poolloader.shm.backends.posix import control_name, open_segment
     from poolloader.shm.control import Control, ControlLayout
-    from poolloader.shm.segments import control_name, open_segment
 
     mapping = open_segment(control_name(prefix))
     num_workers, max_slots = Control.read_shape(mapping)

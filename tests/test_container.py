@@ -1,20 +1,27 @@
-"""Where users train: a container's small /dev/shm, memory given back, nothing named.
+"""Where users train: a container's small /dev/shm, a memory limit full of page cache,
+memory given back, nothing named.
 
 The default (memfd) backend puts slots in anonymous shared memory: no /dev/shm space,
 no names, freed by the kernel when the last process holding a segment dies. These
 tests run real loaders: in a private mount namespace with Docker's default 64 MiB
-/dev/shm (skipped, with the reason, where `unshare -m` is not permitted), under
-SIGKILL of every process, and with a consumer that keeps and drops many batches.
+/dev/shm (skipped, with the reason, where `unshare -m` is not permitted), in a memory
+cgroup of their own (skipped, with the reason, where one cannot be made), with a main
+process whose /proc/<pid>/fd its workers cannot open (non-dumpable, no CAP_SYS_PTRACE),
+under SIGKILL of every process, and with a consumer that keeps and drops many batches.
 """
 from __future__ import annotations
 
 import gc
 import json
 import os
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import time
 
+import numpy as np
 import proc
 import pytest
 import torch
@@ -62,6 +69,187 @@ def test_rfdetr_batches_with_8_workers_in_a_64_mib_dev_shm():
     assert result["posix_s"] < 30
     assert result["dataloader"] != "ran", "DataLoader was expected to fail in a 64 MiB /dev/shm"
     assert result["dataloader_s"] < 60
+
+
+CGROUP_LIMIT = 512 << 20
+DATA_FILE_BYTES = 1 << 30
+CANNOT_JOIN = 97  # the shell's status when it cannot move itself into the cgroup
+
+
+def _make_memory_cgroup(name: str, limit: int) -> tuple[str | None, str]:
+    """(a new memory cgroup below this process's, limited to `limit` bytes, or None;
+    why not). v1's memory hierarchy, or v2's unified one where it has the controller."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = [line.split(":", 2) for line in f.read().splitlines()]
+    except OSError as e:
+        return None, f"/proc/self/cgroup cannot be read: {e}"
+    v1 = [path for _, controllers, path in lines if "memory" in controllers.split(",")]
+    if v1:
+        mount, limit_file = "/sys/fs/cgroup/memory", "memory.limit_in_bytes"
+        own = v1[0]
+    else:
+        mount, limit_file = "/sys/fs/cgroup", "memory.max"
+        own = next((path for hid, _, path in lines if hid == "0"), "/")
+    parent = os.path.join(mount, own.lstrip("/"))
+    if not os.path.isdir(parent):  # in a cgroup namespace: the mount's root is ours
+        parent = mount
+    directory = os.path.join(parent, name)
+    try:
+        os.mkdir(directory)
+    except OSError as e:
+        return None, f"a memory cgroup cannot be made in {parent} (needs root): {e}"
+    try:
+        with open(os.path.join(directory, limit_file), "w") as f:
+            f.write(str(limit))
+    except OSError as e:
+        os.rmdir(directory)
+        return None, f"{limit_file} cannot be set in {directory}: {e}"
+    return directory, ""
+
+
+def _oom_kills(cgroup: str) -> int:
+    """OOM kills in `cgroup` so far (v1 memory.oom_control, v2 memory.events)."""
+    for name in ("memory.oom_control", "memory.events"):
+        try:
+            with open(os.path.join(cgroup, name)) as f:
+                for line in f:
+                    key, _, value = line.partition(" ")
+                    if key == "oom_kill":
+                        return int(value)
+        except OSError:
+            pass
+    return 0
+
+
+def _remove_cgroup(cgroup: str) -> None:
+    """rmdir once the last process in it (the child, its workers) has exited."""
+    procs = os.path.join(cgroup, "cgroup.procs")
+
+    def empty() -> bool:
+        with open(procs) as f:
+            return not f.read().split()
+
+    wait_until(empty, 30.0)
+    for _ in range(50):
+        try:
+            os.rmdir(cgroup)
+            return
+        except OSError:
+            time.sleep(0.1)
+    os.rmdir(cgroup)  # the error, if it still cannot go
+
+
+def _write_uncached(path: str, nbytes: int) -> None:
+    """`nbytes` of varied data, flushed and dropped from the page cache, so the reader's
+    cgroup is the one its pages are charged to."""
+    words = np.arange((8 << 20) // 8, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    with open(path, "wb") as f:
+        for k in range(nbytes // (8 << 20)):
+            f.write((words + np.uint64(k)).tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+@pytest.mark.timeout(600)
+def test_a_memory_limit_full_of_page_cache_runs_the_epochs_dataloader_runs(tmp_path):
+    """512 MiB limit, a 1 GiB file read first (the cgroup's page cache fills to the
+    limit): the cache counts as available, as reclaim frees it, so PoolLoader runs the
+    epoch DataLoader runs, and one whose slots grow after; a pool the cgroup cannot
+    give even with its cache reclaimed is still refused, with no OOM kill."""
+    cgroup, reason = _make_memory_cgroup(f"poolloader-test-{os.getpid()}", CGROUP_LIMIT)
+    if cgroup is None:
+        pytest.skip(reason)
+    path = str(tmp_path / "data.bin")
+    try:
+        _write_uncached(path, DATA_FILE_BYTES)
+        # the shell moves itself (so the child it becomes) into the cgroup, then execs
+        child = subprocess.Popen(
+            ["sh", "-c", f'echo $$ > "$0/cgroup.procs" || exit {CANNOT_JOIN}; exec "$@"',
+             cgroup, sys.executable, CHILDREN, "cgroup-cache", path, cgroup],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        out, err = communicate_within(child, 540, "the memory-limited child")
+        if child.returncode == CANNOT_JOIN:  # v2's rule: no process in an inner node
+            pytest.skip(f"a process cannot join the new cgroup {cgroup}: {err.strip()}")
+        oom_kills = _oom_kills(cgroup)
+        assert child.returncode == 0, (child.returncode, oom_kills, err[-3000:])
+        result = json.loads(out.strip().splitlines()[-1])
+        print({k: v for k, v in result.items() if not isinstance(v, list) or len(v) < 3})
+        assert result["cgroup"] == ["/" + os.path.relpath(cgroup, "/sys/fs/cgroup/memory")] \
+            or result["cgroup"][0].endswith(os.path.basename(cgroup))
+        assert result["after_read"]["cache"] >= CGROUP_LIMIT // 2  # the cache is full
+        assert len(result["dataloader"]) == 12
+        assert result["pool"] == result["dataloader"]
+        assert len(result["growth_dataloader"]) == 12
+        assert result["growth"] == result["growth_dataloader"]
+        assert result["slot_growths"] >= 1
+        # most of what it counts is there: a pool of it is reserved and delivers
+        assert result["near"] == [1 << 20] * 4, result["near"]
+        assert result["near_pool_bytes"] >= CGROUP_LIMIT // 4
+        refused = result["refused"]
+        assert refused.startswith("ShmSpaceError") and "reclaimable page cache" in refused, refused
+        assert "--memory" in refused and str(CGROUP_LIMIT) in refused
+        assert oom_kills == 0
+    finally:
+        _remove_cgroup(cgroup)
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+CAP_SYS_PTRACE = 19
+
+
+def _without_ptrace() -> tuple[list[str] | None, str]:
+    """(a command prefix that runs its command with CAP_SYS_PTRACE dropped from the
+    effective, inheritable and bounding sets, or None; why not): setpriv, else capsh."""
+    if shutil.which("setpriv"):
+        def prefix(argv):
+            return ["setpriv", "--inh-caps=-sys_ptrace", "--bounding-set=-sys_ptrace"] + argv
+    elif shutil.which("capsh"):
+        def prefix(argv):
+            return ["capsh", "--drop=cap_sys_ptrace", "--", "-c", "exec " + shlex.join(argv)]
+    else:
+        return None, "neither setpriv nor capsh is installed to drop CAP_SYS_PTRACE"
+    try:
+        probe = subprocess.run(prefix(["grep", "^CapEff:", "/proc/self/status"]),
+                               capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return None, f"CAP_SYS_PTRACE cannot be dropped here: {e}"
+    if probe.returncode or int(probe.stdout.split()[1], 16) & (1 << CAP_SYS_PTRACE):
+        return None, f"CAP_SYS_PTRACE cannot be dropped here: {probe.stdout} {probe.stderr}"
+    return prefix([]), ""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_workers_that_cannot_open_main_s_proc_fd_get_posix_segments_with_one_warning(method):
+    """A non-dumpable main (prctl PR_SET_DUMPABLE 0) and no CAP_SYS_PTRACE: no worker
+    may open /proc/<main>/fd/N. The default backend falls back to POSIX with one
+    warning saying why, shm_backend="posix" runs (its start-up arguments need no /proc
+    either), shm_backend="memfd" is a clear error naming the way out."""
+    prefix, reason = _without_ptrace()
+    if prefix is None:
+        pytest.skip(reason)
+    child = subprocess.Popen(prefix + [sys.executable, CHILDREN, "no-proc-fd", method],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = communicate_within(child, 240, "the non-dumpable child")
+    assert child.returncode == 0, err[-3000:]
+    result = json.loads(out.strip().splitlines()[-1])
+    print(result)
+    assert not int(result["cap_eff"], 16) & (1 << CAP_SYS_PTRACE)
+    if result["child_opens"]:
+        pytest.skip("here a child still opens a non-dumpable parent's /proc/<pid>/fd "
+                    "without CAP_SYS_PTRACE: nothing to fall back from")
+    ran = {"right": True, "batches": 8, "backend": "posix"}
+    assert result["default"] == [ran, ran], result["default"]
+    assert result["posix"] == ran, result["posix"]
+    refused = result["memfd"].get("error", "")
+    assert refused.startswith("OSError: shm_backend='memfd' cannot be used here"), result["memfd"]
+    assert "/proc/<main pid>/fd" in refused and "use shm_backend='posix'" in refused
+    assert len(result["warnings"]) == 1, result["warnings"]  # two pools, one warning
+    assert "shm_backend='posix'" in result["warnings"][0]
+    assert "/proc/<main pid>/fd" in result["warnings"][0]
 
 
 def _names_of(pids) -> list[str]:

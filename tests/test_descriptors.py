@@ -133,17 +133,19 @@ def _pool_fds_in_child() -> list[str]:
 
 def _make_and_release(backend: str, i: int) -> None:
     """One pool descriptor made and released through poolloader's own code."""
-    from poolloader.shm import fork, memfd, segments
+    from poolloader.shm import backend as shm_backend
+    from poolloader.shm import fork
+    from poolloader.shm.backends import memfd, posix
     if backend == "memfd":
         mapping, fd, _inode = memfd.create(1 << 16, "a test segment", LABEL)
-        segments.retire(mapping)
+        shm_backend.retire(mapping)
         fork.release(fd)
     else:  # a slot segment's transient descriptor
         name = _posix_name(i)
         try:
-            segments.retire(segments.create_segment(name, 1 << 16, "a test segment", 0, None))
+            shm_backend.retire(posix.create_segment(name, 1 << 16, "a test segment"))
         finally:
-            segments.unlink_quietly(name)
+            posix.unlink_quietly(name)
 
 
 def _fork_while(window_fn, patched: str, monkeypatch, hold_s: float) -> list[str]:
@@ -196,9 +198,11 @@ def test_a_fork_after_a_descriptor_is_created_and_before_it_is_recorded(backend,
 def test_a_fork_inside_a_release_keeps_nothing(monkeypatch):
     """A fork from another thread between the registry forgetting a descriptor and its
     close: the child must not keep it."""
-    from poolloader.shm import fork, memfd, segments
+    from poolloader.shm import backend as shm_backend
+    from poolloader.shm import fork
+    from poolloader.shm.backends import memfd
     mapping, fd, _inode = memfd.create(1 << 16, "a test segment", LABEL)
-    segments.retire(mapping)
+    shm_backend.retire(mapping)
     kept = _fork_while(lambda: fork.release(fd), "close", monkeypatch, 1.0)
     assert kept == [], f"the child of a fork during the release kept {kept}"
 

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 from fixtures.synthetic import CocoLikeDataset, FilledDetectionDataset, make_coco_like
 from poolloader import PoolLoader
 from poolloader.detection import DetectionCollate, PackedTargets, pack_targets
-from poolloader.shm.segments import PAGE
+from poolloader.shm.backend import PAGE
 from poolloader.wire import slot_format as fmt
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="pinning needs CUDA")

@@ -250,7 +250,10 @@ def test_persistent_loader_after_a_worker_died_says_so():
             assert "WorkerDied" in str(again.value) and "build the loader again" in str(again.value)
             with pytest.raises(RuntimeError, match="WorkerDied"):
                 next(it)
-        del it, loader
+        # `again`'s traceback holds the iterator's frames: drop it too, so the iterator
+        # shuts its workers down here. Left to the leak check's SIGKILL, DataLoader's
+        # surviving worker would fire DataLoader's SIGCHLD handler inside pytest itself.
+        del it, loader, again
         gc.collect()
 
 

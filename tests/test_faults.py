@@ -87,8 +87,8 @@ def test_segments_are_private_and_exclusive():
     """A pool whose worker never maps its segments keeps every name: each is checked."""
     import posix_ipc
 
+    from poolloader.shm.backends.posix import create_segment
     from poolloader.shm.pool import SlotPool
-    from poolloader.shm.segments import create_segment
     pool = SlotPool(num_workers=1, slots=2, max_slots=2, slot_bytes=1 << 16, backend="posix")
     try:
         names = sorted(pool.live_names)
@@ -97,7 +97,7 @@ def test_segments_are_private_and_exclusive():
             assert stat.S_IMODE(os.stat("/dev/shm" + name).st_mode) == 0o600, name
             assert name.startswith(pool.prefix)
             with pytest.raises(posix_ipc.ExistentialError):
-                create_segment(name, 4096, "test", 0, None)  # O_EXCL: never reuses a name
+                create_segment(name, 4096, "test")  # O_EXCL: never reuses a name
         assert len(pool.prefix.split("-")[-1]) == 16  # 64 random bits
     finally:
         pool.close()

@@ -25,8 +25,8 @@ from poolloader import PoolLoader
 from poolloader.cuda import gate as cuda
 from poolloader.cuda import staging
 from poolloader.errors import CudaRegistrationError
+from poolloader.shm.backends.posix import NAME_TAG
 from poolloader.shm.pool import SlotPool
-from poolloader.shm.segments import NAME_TAG
 from poolloader.stats import LoaderStats
 from poolloader.wire.slot_format import DATA_OFF
 

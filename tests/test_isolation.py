@@ -30,9 +30,9 @@ from helpers import pid_running as running
 from helpers import wait_until
 
 from poolloader import ControlCorrupt, PoolLoader, SlotCorrupt
+from poolloader.shm.backends.posix import slot_name, sweep_stale
 from poolloader.shm.control import Control
 from poolloader.shm.pool import SlotPool
-from poolloader.shm.segments import slot_name, sweep_stale
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHILDREN = os.path.join(HERE, "_isolation_children.py")

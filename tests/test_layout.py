@@ -46,6 +46,9 @@ ALLOWED_READS = {
     ("poolloader.errors", "sys._getframe"):
         "user_frame, the one walk of the stack for warning locations: CPython's frame "
         "access (inspect.currentframe is the same call, less cheap)",
+    ("poolloader.shm.backends.memfd", "os._exit"):
+        "the probe's forked child leaves without the parent's atexit handlers and "
+        "buffers: os._exit is Python's documented exit for a child of os.fork",
     ("poolloader.adopt.runner", "runpy._run_module_as_main"):
         "`python -m poolloader -m module` runs the module as `python -m` does (its "
         "__main__, sys.argv, sys.path[0]); runpy.run_module does not",

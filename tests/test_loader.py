@@ -19,7 +19,7 @@ from compare import assert_same, both_loaders, pool_only
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorDataset
 
 from poolloader import PoolLoader, WorkerDied
-from poolloader.shm.segments import NAME_TAG
+from poolloader.shm.backends.posix import NAME_TAG
 
 
 def epochs_and_length(epochs):

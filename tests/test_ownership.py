@@ -24,7 +24,7 @@ from compare import assert_same
 from torch.utils.data import DataLoader, TensorDataset
 
 from poolloader import PoolLoader
-from poolloader.shm.segments import NAME_TAG
+from poolloader.shm.backends.posix import NAME_TAG
 from poolloader.wire import slot_format as fmt
 
 BOTH = (DataLoader, PoolLoader)

@@ -11,8 +11,8 @@ import proc
 import pytest
 
 from poolloader.errors import ShmSpaceError
+from poolloader.shm.backend import PAGE, page_round
 from poolloader.shm.pool import SlotPool, WorkerSlots
-from poolloader.shm.segments import PAGE, page_round
 
 
 def exists(handle) -> bool:
@@ -148,7 +148,7 @@ def test_close_unlinks_every_name_and_keeps_viewed_memory_mapped(pool):
 
 
 def test_memfd_space_check_names_the_memory_and_the_knob():
-    from poolloader.shm.memfd import memory_available
+    from poolloader.shm.backends.memfd import memory_available
     free, where = memory_available()
     with open("/proc/meminfo") as f:
         mem_available = next(int(line.split()[1]) * 1024 for line in f
@@ -159,3 +159,20 @@ def test_memfd_space_check_names_the_memory_and_the_knob():
     msg = str(err.value)
     assert str(2 * page_round(free)) in msg or "bytes of memory" in msg
     assert "--memory" in msg and "slot_bytes" in msg and "--shm-size does not change it" in msg
+
+
+def test_memfd_space_check_counts_clean_page_cache_of_either_cgroup_version(tmp_path):
+    """The keys each version's memory.stat has (v2's are what this host may not show):
+    inactive + active file pages, less dirty and writeback ones; shmem never counts."""
+    from poolloader.shm.backends.memfd import reclaimable
+    (tmp_path / "memory.stat").write_text(
+        "anon 100\nfile 9000\nshmem 4000\ninactive_file 3000\nactive_file 2000\n"
+        "file_dirty 400\nfile_writeback 100\n")
+    assert reclaimable(str(tmp_path), "v2")[0] == 4500
+    (tmp_path / "memory.stat").write_text(
+        "cache 1\ninactive_file 1\nactive_file 1\ndirty 1\ntotal_cache 9000\ntotal_shmem 4000\n"
+        "total_inactive_file 3000\ntotal_active_file 2000\ntotal_dirty 400\ntotal_writeback 100\n")
+    free, counted = reclaimable(str(tmp_path), "v1")
+    assert free == 4500 and "total_inactive_file + total_active_file (5000)" in counted
+    (tmp_path / "memory.stat").write_text("total_inactive_file 10\ntotal_dirty 50\n")
+    assert reclaimable(str(tmp_path), "v1")[0] == 0

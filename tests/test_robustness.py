@@ -28,7 +28,7 @@ from helpers import pid_running as running
 from helpers import wait_until
 
 from poolloader import PoolLoader, SlotCorrupt, WorkerDied
-from poolloader.shm.segments import NAME_TAG, create_segment, unlink_quietly
+from poolloader.shm.backends.posix import NAME_TAG, create_segment, unlink_quietly
 from poolloader.wire import codec
 from poolloader.wire import slot_format as fmt
 
@@ -107,7 +107,7 @@ def test_forged_skeleton_is_trusted_only_under_its_own_checksum():
 @pytest.fixture
 def slot(shm_name_prefix):
     """One 1 MiB slot mapping (its name unlinked at once), a header view and a writer."""
-    mapping = create_segment(shm_name_prefix + "slot", 1 << 20, "a test slot", 0, None)
+    mapping = create_segment(shm_name_prefix + "slot", 1 << 20, "a test slot")
     unlink_quietly(shm_name_prefix + "slot")
     return mapping, fmt.header_view(mapping), codec.SlotWriter()
 

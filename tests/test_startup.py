@@ -6,6 +6,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 
+import proc
 import pytest
 import torch
 from compare import assert_same
@@ -51,6 +52,26 @@ def test_dataset_is_pickled_once_per_iterator_and_batches_match_dataloader(metho
         results[cls] = (list(loader), CountedPickles.pickled)
     assert results[DataLoader][1] == workers  # DataLoader: once per worker
     assert results[PoolLoader][1] == 1  # PoolLoader: once
+    assert_same(results[DataLoader][0], results[PoolLoader][0])
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_posix_pool_s_start_arguments_travel_with_each_worker_not_through_proc(method):
+    """shm_backend="posix" is the way out where workers cannot open /proc/<main>/fd:
+    its workers' start arguments must not need /proc either, so they travel as
+    DataLoader's do (pickled once per worker), not through main's memfd."""
+    ctx = multiprocessing.get_context(method)
+    results = {}
+    for cls, options in ((DataLoader, {}), (PoolLoader, {"shm_backend": "posix"})):
+        CountedPickles.pickled = 0
+        torch.manual_seed(7)
+        loader = cls(CountedPickles(), batch_size=4, num_workers=2,
+                     multiprocessing_context=ctx, worker_init_fn=seed_init, **options)
+        it = iter(loader)
+        held = proc.fd_targets()  # main keeps a shared start until every worker replied
+        results[cls] = (list(it), CountedPickles.pickled)
+        assert not any(target.startswith("/memfd:poolloader-start") for target in held), held
+    assert results[PoolLoader][1] == results[DataLoader][1] == 2
     assert_same(results[DataLoader][0], results[PoolLoader][0])
 
 

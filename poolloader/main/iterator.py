@@ -137,7 +137,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
             # spawn / forkserver: the dataset, init_fn and collate_fn are pickled once
             # into shared memory, not once per worker (poolloader.main.startup)
             shared = startup.share((self._dataset, init_fn, self._collate_fn)) \
-                if n and startup.shares(ctx) else None
+                if n and startup.shares(ctx, self._pool.backend) else None
             self._shared_start = shared
             self._unheard = set(range(n)) if shared is not None else set()
             for i in range(n):

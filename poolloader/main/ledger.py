@@ -12,7 +12,8 @@ Slot states, all owned by main except IN_WORKER (invariant 1):
                `released` (a C-level deque.append, any thread) and `drain()` makes
                the slot FREE again
 
-Ownership (DESIGN.md): a request never waits for the consumer. When a request
+Ownership (docs/how-it-works.md, "Ownership mechanisms"): a request never waits for
+the consumer. When a request
 needs a slot and none is FREE, the oldest LEASED slot is *detached*: its segment
 leaves the pool and stays with the batch that still views it (like a DataLoader
 batch, freed when its last tensor dies), and the slot gets a fresh segment. A slot
@@ -38,8 +39,8 @@ from typing import NamedTuple
 
 from poolloader.cuda.gate import COOL_TIMEOUT_S
 from poolloader.errors import ShmSpaceError, SlotCorrupt, warn
+from poolloader.shm.backend import page_round, retire
 from poolloader.shm.pool import SlotPool
-from poolloader.shm.segments import page_round, retire
 from poolloader.wire import slot_format as fmt
 
 # Headroom when a slot grows.

@@ -10,8 +10,9 @@ from typing import Any
 
 import numpy as np
 
-from poolloader.shm import fork, memfd
-from poolloader.shm.segments import retire
+from poolloader.shm import fork
+from poolloader.shm.backend import retire
+from poolloader.shm.backends import memfd
 
 
 class SharedStart:
@@ -49,8 +50,9 @@ def share(payload: Any) -> SharedStart | None:
         return None
 
 
-def shares(ctx) -> bool:
+def shares(ctx, backend: str = "memfd") -> bool:
     """Whether workers of this multiprocessing context should load their arguments from
-    a SharedStart: they are pickled (not fork) and anonymous shared memory works."""
+    a SharedStart: they are pickled (not fork), the pool's `backend` is memfd (a POSIX
+    pool's workers must not need /proc either) and anonymous shared memory works."""
     method = ctx.get_start_method() if hasattr(ctx, "get_start_method") else None
-    return method in ("spawn", "forkserver") and memfd.supported() is None
+    return method in ("spawn", "forkserver") and backend == "memfd" and memfd.supported() is None

@@ -150,20 +150,22 @@ class LoaderStats:
     def worker_idle_s(self) -> float:
         return self._worker_column(2) / 1e9
 
+    def _pool_figure(self, name: str) -> int:
+        """One size figure of the live pool (SlotPool's property `name`); 0 once closed."""
+        pool = self._live_pool()
+        return 0 if pool is None else getattr(pool, name)
+
     @property
     def slot_count(self) -> int:
-        pool = self._live_pool()
-        return 0 if pool is None else pool.num_slots
+        return self._pool_figure("num_slots")
 
     @property
     def slot_bytes(self) -> int:
-        pool = self._live_pool()
-        return 0 if pool is None else pool.largest_slot_bytes
+        return self._pool_figure("largest_slot_bytes")
 
     @property
     def pool_bytes(self) -> int:
-        pool = self._live_pool()
-        return 0 if pool is None else pool.total_bytes
+        return self._pool_figure("total_bytes")
 
     @property
     def detached_bytes(self) -> int:

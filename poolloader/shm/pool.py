@@ -9,11 +9,13 @@ has mapped it (acks in the control block). WorkerSlots maps, in a worker, whatev
 generation each slot has now, acknowledges it, and drops its mapping of every
 segment that is no longer the slot's, so every process maps only live segments.
 
-Where segments live is the backend's (`backend=`): "memfd" (memfd.py, the default:
-anonymous, outside /dev/shm, nothing named) or "posix" (segments.py: named segments
-in /dev/shm through posix-ipc, with an owner lock and a sweep of dead owners' names).
-Both hand out the same poolloader.shm._shm.Mapping, so nothing above this module (the
-codec, the CUDA registration) knows which one is in use.
+Where segments live is the backend's (`backend=`), one module in
+poolloader.shm.backends behind the interface in poolloader.shm.backend: "memfd"
+(backends/memfd.py, the default: anonymous, outside /dev/shm, nothing named) or
+"posix" (backends/posix.py: named segments in /dev/shm through posix-ipc, with a sweep
+of dead owners' names). Both hand out the same poolloader.shm._shm.Mapping, so nothing
+above this module (the codec, the CUDA registration) knows which one is in use, and
+nothing here names one: a backend is found by its kind (backends.load).
 
 Everything a worker can write is untrusted here: main keeps its own copies of what
 it wrote (generations, the growth counter, slot counts) and checks the ack table
@@ -23,13 +25,13 @@ it attached (see control.py).
 from __future__ import annotations
 
 import os
-import resource
 
 import numpy as np
 
-from poolloader.errors import ControlCorrupt, ShmSpaceError, warn
-from poolloader.shm import memfd
+from poolloader.errors import ControlCorrupt, warn
+from poolloader.shm import backends
 from poolloader.shm._shm import Mapping
+from poolloader.shm.backend import MainSide, WorkerSide, cap, check_cap, page_round, retire
 from poolloader.shm.control import (
     H_GROWTH,
     H_MAIN_PID,
@@ -41,71 +43,50 @@ from poolloader.shm.control import (
     Control,
     ControlLayout,
 )
-from poolloader.shm.segments import (
-    SHM_LIMIT_ENV,
-    PosixAttachment,
-    PosixSegments,
-    page_round,
-    retire,
-)
 
 BACKEND_ENV = "POOLLOADER_SHM_BACKEND"
-BACKENDS = ("memfd", "posix")
-FD_MARGIN = 16  # descriptors left to the user and to torch when the memfd backend is chosen
 _warned_fallback = False
 
 
-def _descriptor_headroom() -> int:
-    """Descriptors this process may still open (RLIMIT_NOFILE's soft limit less those open)."""
-    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    if soft == resource.RLIM_INFINITY:
-        return 1 << 30
-    try:
-        used = len(os.listdir("/proc/self/fd")) - 1
-    except OSError:
-        return soft
-    return soft - used
-
-
 def choose_backend(requested: str | None, max_slots: int = 0) -> str:
-    """The backend a new pool uses: `requested`, else $POOLLOADER_SHM_BACKEND, else
-    "memfd" where this process can use it (else "posix", with one warning saying why).
+    """The backend a new pool uses: `requested`, else $POOLLOADER_SHM_BACKEND, else the
+    first kind of backends.PREFERENCE that does not refuse a pool of `max_slots` here
+    (Backend.refuses), with one warning saying why the ones before it refused.
 
     memfd is the default everywhere it works: it needs no /dev/shm space (Docker's
     default is 64 MiB), names nothing, so a crash leaves nothing, and it is the same
     shmem memory as /dev/shm (same speed, registrable with CUDA). Choosing by free
     space would make the same job name segments on one host and not on another.
-    It can need up to one descriptor per slot for a moment (a new segment's, until
-    every worker has mapped it: all of them when the pool is made), so where
-    RLIMIT_NOFILE leaves fewer than `max_slots` + FD_MARGIN, a pool is POSIX."""
+    It can need up to one descriptor per slot for a moment, so where RLIMIT_NOFILE
+    leaves too few (memfd.refuses), a pool is POSIX."""
     global _warned_fallback
     kind = requested or os.environ.get(BACKEND_ENV) or None
-    if kind is not None and kind not in BACKENDS:
-        raise ValueError(f"shm_backend must be one of {BACKENDS}, got {kind!r}"
+    kinds = backends.kinds()
+    if kind is not None and kind not in kinds:
+        raise ValueError(f"shm_backend must be one of {kinds}, got {kind!r}"
                          + (f" (from ${BACKEND_ENV})" if not requested else ""))
-    if kind == "posix":
-        return kind
-    why_not = memfd.supported()
-    if why_not is None:
-        headroom = _descriptor_headroom()
-        if headroom < max_slots + FD_MARGIN:
-            why_not = (f"a pool of {max_slots} slots may hold {max_slots + 1} descriptors while "
-                       f"its workers attach, and RLIMIT_NOFILE leaves {headroom} (raise ulimit -n)")
-    if why_not is None:
-        return "memfd"
-    if kind == "memfd":
-        raise OSError(f"shm_backend='memfd' cannot be used here: {why_not}; use shm_backend='posix'")
-    if not _warned_fallback:
+    refused = []
+    for candidate in (kind,) if kind is not None else kinds:
+        why_not = backends.load(candidate).refuses(max_slots)
+        if why_not is None:
+            break
+        if kind is not None:
+            instead = next((k for k in kinds if k != kind), None)
+            raise OSError(f"shm_backend={kind!r} cannot be used here: {why_not}"
+                          + (f"; use shm_backend={instead!r}" if instead else ""))
+        refused.append(why_not)
+    else:
+        raise OSError(f"no shared-memory backend of {kinds} can be used here: {'; '.join(refused)}")
+    if refused and not _warned_fallback:
         _warned_fallback = True
-        warn(f"PoolLoader: this pool uses named segments in /dev/shm (shm_backend='posix'): {why_not}")
-    return "posix"
+        warn(f"PoolLoader: this pool uses {backends.load(candidate).DESCRIPTION} "
+             f"(shm_backend={candidate!r}): {'; '.join(refused)}")
+    return candidate
 
 
-def attach(locator: tuple):
+def attach(locator: tuple) -> WorkerSide:
     """Worker side: the backend attachment for a pool's `locator` (SlotPool.locator)."""
-    if locator[0] == "memfd":
-        return memfd.MemfdAttachment(*locator[1:])
-    return PosixAttachment(locator[1])
+    return backends.load(locator[0]).Attachment(*locator[1:])
 
 
 class SlotPool:
@@ -119,15 +100,13 @@ class SlotPool:
     def __init__(self, num_workers: int, slots: int, max_slots: int, slot_bytes: int,
                  shm_limit: int | None = None, on_map=None, on_unmap=None,
                  backend: str | None = None):
-        if shm_limit is None and os.environ.get(SHM_LIMIT_ENV):
-            shm_limit = int(os.environ[SHM_LIMIT_ENV])
-        self.shm_limit = shm_limit
+        self.shm_limit = cap(shm_limit)
         self.num_workers = num_workers
         self.max_slots = max_slots
         self.target_bytes = page_round(slot_bytes)
         self._owner_pid = os.getpid()
         kind = choose_backend(backend, max_slots)
-        self.segments = (memfd.MemfdSegments if kind == "memfd" else PosixSegments)(self._owner_pid)
+        self.segments: MainSide = backends.load(kind).Segments(self._owner_pid)
         self._on_map = on_map
         self._on_unmap = on_unmap
         self.mappings: list[Mapping | None] = []
@@ -171,13 +150,7 @@ class SlotPool:
         return getattr(self.segments, "prefix", None)
 
     def _check_cap(self, nbytes: int, pool_bytes: int, what: str) -> None:
-        limit = self.shm_limit
-        if limit is not None and pool_bytes + nbytes > limit:
-            raise ShmSpaceError(
-                f"poolloader needs {nbytes} more bytes of shared memory for {what}, which "
-                f"would bring the pool to {pool_bytes + nbytes} bytes, over the cap of {limit} "
-                f"bytes (shm_limit= or ${SHM_LIMIT_ENV}). Raise the cap, or lower slot_bytes, "
-                "prefetch_factor or num_workers.")
+        check_cap(self.shm_limit, nbytes, pool_bytes, what)
 
     # -- sizes ---------------------------------------------------------------
     @property
@@ -398,7 +371,7 @@ class WorkerSlots:
         self.sync()
 
     def owner_alive(self) -> bool:
-        """Whether main (the pool's owner) still lives: its owner lock (segments.py)."""
+        """Whether main (the pool's owner) still lives: its owner lock (poolloader.shm.backend)."""
         return self.attachment.owner_alive()
 
     is_alive = owner_alive  # what poolloader.worker.popen.parent_process_through asks

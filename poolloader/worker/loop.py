@@ -57,7 +57,7 @@ class WorkerConfig:
 
 def _parent_alive(slots: WorkerSlots) -> bool:
     """Whether main (the pool's owner) still lives: its owner lock on the control
-    segment is still held (poolloader.shm.segments). Neither the worker's parent (under
+    segment is still held (poolloader.shm.backend). Neither the worker's parent (under
     forkserver, the forkserver) nor main's pid (reusable, namespace-relative) is
     consulted, so this is exact under fork, spawn and forkserver; one fcntl."""
     return slots.owner_alive()
@@ -65,7 +65,8 @@ def _parent_alive(slots: WorkerSlots) -> bool:
 
 def _sync(slots: WorkerSlots, writer: codec.SlotWriter, slot: int | None = None):
     """Map what main changed in the pool and drop every view of a segment that left it
-    (DESIGN.md: only live memory stays mapped); with `slot`, return its mapping."""
+    (only live memory stays mapped: docs/how-it-works.md, "Slot lifecycle"); with
+    `slot`, return its mapping."""
     slots.sync()
     mapping = None if slot is None else slots.mapping(slot)
     if slots.dropped:

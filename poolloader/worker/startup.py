@@ -11,12 +11,13 @@ few integers. Main keeps the segment's descriptor until every worker has replied
 process that maps it.
 
 Under fork nothing is pickled at all (the child inherits the objects), and where
-anonymous shared memory cannot be used (memfd.supported()) the arguments travel as
-DataLoader's do. So do arguments that pickle only while a process is being spawned:
-multiprocessing's locks, events, queues and connections (they may be "shared between
-processes only through inheritance", and a queue's pipe needs its descriptor passed to
-each child), and anything else that cannot be pickled here: the start pipe then says
-what is wrong, as DataLoader's does.
+anonymous shared memory cannot be used (memfd.supported(): workers cannot open main's
+/proc/<pid>/fd), or the pool is POSIX (shm_backend="posix": the user's way out of
+/proc), the arguments travel as DataLoader's do. So do arguments that pickle only
+while a process is being spawned: multiprocessing's locks, events, queues and
+connections (they may be "shared between processes only through inheritance", and a
+queue's pipe needs its descriptor passed to each child), and anything else that cannot
+be pickled here: the start pipe then says what is wrong, as DataLoader's does.
 
 Main's side (SharedStart, share, shares) is poolloader.main.startup; this module is
 the worker's (load).
@@ -26,8 +27,8 @@ from __future__ import annotations
 import pickle
 from typing import Any
 
-from poolloader.shm import memfd
-from poolloader.shm.segments import retire
+from poolloader.shm.backend import retire
+from poolloader.shm.backends import memfd
 
 
 def load(ticket: tuple) -> Any:

@@ -12,10 +12,14 @@ every worker has mapped it (the ack table, as for the POSIX backend's names), an
 worker opens it as /proc/<main pid>/fd/<n>. That is an ordinary open of the same
 inode, needing the same uid and PTRACE_MODE_READ, which Yama's ptrace_scope does not
 restrict (it restricts attaching only); it needs /proc mounted, as every container
-runtime does. The slot table carries the descriptor number and the inode; a worker
-checks the inode after opening, because main may have closed that number and reused
-it for a newer segment meanwhile (then it retries at its next sync), and because a
-dead main's pid can be reused. Weighed and not taken: SCM_RIGHTS needs a socket per
+runtime does, and a main process that is dumpable (or workers with CAP_SYS_PTRACE),
+which an LSM may also forbid. So the backend is judged, once per process, by what a
+worker does: a forked child opens one of main's memfds through /proc (supported());
+where that fails the pool falls back to the POSIX backend with one warning. The
+slot table carries the descriptor number and the inode; a worker checks the inode
+after opening, because main may have closed that number and reused it for a newer
+segment meanwhile (then it retries at its next sync), and because a dead main's pid
+can be reused. Weighed and not taken: SCM_RIGHTS needs a socket per
 worker that spawn and forkserver children must be handed, and a send per segment
 per worker that main must not block on; pidfd_getfd (Linux 5.6) needs
 PTRACE_MODE_ATTACH, which Yama's default scope 1 refuses to a worker reaching its
@@ -27,20 +31,36 @@ Sizes are sealed (F_SEAL_SHRINK | F_SEAL_GROW): no process can truncate a segmen
 under another's mapping (which would SIGBUS it). Pages are reserved at creation
 (posix_fallocate), so memory that is not there is a clear error now, not a SIGBUS
 or an OOM kill mid-epoch; before that, the request is checked against what the
-memory cgroup allows (memory.max − memory.current, or v1's limit − usage) and the
-machine's MemAvailable, whichever is smaller.
+memory cgroup allows and the machine's MemAvailable, whichever is smaller.
+
+What a memory cgroup allows is its limit less its working set, as the kubelet counts
+it: usage less the clean page cache that reclaim frees when a charge meets the limit
+(memory.max − memory.current + inactive_file + active_file in v2's memory.stat;
+v1: memory.limit_in_bytes − memory.usage_in_bytes + total_inactive_file +
+total_active_file). A job that has read its data has a cgroup full of cache, and
+that cache gives way to a segment as it gives way to DataLoader's workers. Dirty
+pages and pages under writeback are not counted (reclaim cannot free them without
+waiting on the disk), nor is shmem — tmpfs, /dev/shm and memfd segments, this
+pool's own among them — which the kernel keeps on the anonymous lists, never on the
+file ones: with no swap, charging more than the limit less all of that would wake
+the OOM killer, so such a request is refused here.
 """
 from __future__ import annotations
 
-import errno
 import fcntl
 import os
+import resource
+import select
+import signal
+import warnings
 
-from poolloader.errors import ShmSpaceError
 from poolloader.shm import fork
 from poolloader.shm._shm import Mapping
-from poolloader.shm.segments import owner_lock_held, take_owner_lock
+from poolloader.shm.backend import Space, owner_lock_held, release_owner_lock, take_owner_lock
 
+KIND = "memfd"
+DESCRIPTION = "anonymous segments (memfd_create)"
+FD_MARGIN = 16  # descriptors left to the user and to torch when this backend is chosen
 NAME = "poolloader"  # what /proc/<pid>/maps shows: /memfd:poolloader-<what> (deleted)
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL if hasattr(fcntl, "F_SEAL_SEAL") else 0
 CGROUP_ROOT = "/sys/fs/cgroup"
@@ -62,9 +82,18 @@ def _read_int(path: str) -> int | None:
         return None
 
 
-def _cgroup_dirs() -> list[tuple[str, str, str]]:
-    """(directory, limit file, usage file) of every memory cgroup level above this
-    process that is visible here, innermost first (v2 unified, or v1 memory)."""
+# memory.stat keys, per cgroup version: (clean file cache that reclaim frees, the part
+# of it that is dirty or under writeback). v1's "total_" keys count the whole subtree,
+# as its usage does; v2's memory.stat is hierarchical already.
+_STAT_KEYS = {
+    "v2": (("inactive_file", "active_file"), ("file_dirty", "file_writeback")),
+    "v1": (("total_inactive_file", "total_active_file"), ("total_dirty", "total_writeback")),
+}
+
+
+def _cgroup_dirs() -> list[tuple[str, str, str, str]]:
+    """(directory, limit file, usage file, "v1" or "v2") of every memory cgroup level
+    above this process that is visible here, innermost first (v2 unified, or v1 memory)."""
     try:
         with open("/proc/self/cgroup") as f:
             lines = f.read().splitlines()
@@ -74,12 +103,12 @@ def _cgroup_dirs() -> list[tuple[str, str, str]]:
     for line in lines:
         hid, controllers, path = (line.split(":", 2) + ["", ""])[:3]
         if hid == "0" and controllers == "":
-            mount, limit, usage = CGROUP_ROOT, "memory.max", "memory.current"
+            mount, limit, usage, version = CGROUP_ROOT, "memory.max", "memory.current", "v2"
             if not os.path.exists(os.path.join(mount, "cgroup.controllers")):
                 mount = os.path.join(CGROUP_ROOT, "unified")
         elif "memory" in controllers.split(","):
-            mount, limit, usage = os.path.join(CGROUP_ROOT, "memory"), "memory.limit_in_bytes", \
-                "memory.usage_in_bytes"
+            mount, limit, usage, version = os.path.join(CGROUP_ROOT, "memory"), \
+                "memory.limit_in_bytes", "memory.usage_in_bytes", "v1"
         else:
             continue
         # Inside a cgroup namespace the path is relative to the mount's root; outside
@@ -88,16 +117,44 @@ def _cgroup_dirs() -> list[tuple[str, str, str]]:
         while True:
             directory = os.path.join(mount, *parts)
             if os.path.isdir(directory):
-                found.append((directory, limit, usage))
+                found.append((directory, limit, usage, version))
             if not parts:
                 break
             parts.pop()
     return found
 
 
+def _read_stat(directory: str) -> dict[str, int]:
+    """A cgroup's memory.stat as {key: value}; empty where it cannot be read."""
+    stat: dict[str, int] = {}
+    try:
+        with open(os.path.join(directory, "memory.stat")) as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                try:
+                    stat[key] = int(value)
+                except ValueError:
+                    pass
+    except OSError:
+        pass
+    return stat
+
+
+def reclaimable(directory: str, version: str) -> tuple[int, str]:
+    """(bytes of clean page cache reclaim frees in this cgroup, how that was counted):
+    inactive + active file pages less those dirty or under writeback (module docstring)."""
+    (cache_keys, dirty_keys) = _STAT_KEYS[version]
+    stat = _read_stat(directory)
+    cache = sum(stat.get(k, 0) for k in cache_keys)
+    dirty = sum(stat.get(k, 0) for k in dirty_keys)
+    return max(0, cache - dirty), (f"{' + '.join(cache_keys)} ({cache}) less "
+                                   f"{' + '.join(dirty_keys)} ({dirty}) in memory.stat")
+
+
 def memory_available() -> tuple[int, str]:
     """(bytes a new segment may use, what bounds it): the tightest memory cgroup's
-    limit − usage where a limit is set, else /proc/meminfo's MemAvailable."""
+    limit less its working set (usage less reclaimable page cache) where a limit is
+    set, else /proc/meminfo's MemAvailable."""
     best, where = None, ""
     try:
         with open("/proc/meminfo") as f:
@@ -107,32 +164,25 @@ def memory_available() -> tuple[int, str]:
                     break
     except OSError:
         pass
-    for directory, limit_file, usage_file in _cgroup_dirs():
+    for directory, limit_file, usage_file, version in _cgroup_dirs():
         limit = _read_int(os.path.join(directory, limit_file))
         usage = _read_int(os.path.join(directory, usage_file))
         if limit is None or usage is None or limit >= 1 << 62:
             continue  # no limit at this level
-        free = max(0, limit - usage)
+        cache, counted = reclaimable(directory, version)
+        free = max(0, limit - (usage - min(cache, usage)))
         if best is None or free < best:
             best, where = free, (f"the memory cgroup's {limit_file} ({limit}) minus "
-                                 f"{usage_file} ({usage}) in {directory}")
+                                 f"{usage_file} ({usage}) plus its reclaimable page cache, "
+                                 f"{counted}, in {directory}")
     if best is None:
         best, where = 1 << 62, "no limit found"
     return best, where
 
 
-def space_error(nbytes: int, what: str) -> ShmSpaceError:
-    free, where = memory_available()
-    return ShmSpaceError(
-        f"poolloader needs {nbytes} bytes of memory for {what}, but only {free} bytes are "
-        f"available ({where}). Raise the container's memory limit (Docker: --memory; "
-        "Kubernetes: resources.limits.memory), or lower slot_bytes, prefetch_factor or "
-        "num_workers. (This memory is not /dev/shm: --shm-size does not change it.)")
-
-
-def check_space(nbytes: int, what: str) -> None:
-    if nbytes > memory_available()[0]:
-        raise space_error(nbytes, what)
+SPACE = Space("memory", "Raise the container's memory limit (Docker: --memory; Kubernetes: "
+              "resources.limits.memory)", lambda: memory_available(),  # looked up per call
+              "This memory is not /dev/shm: --shm-size does not change it.")
 
 
 # -- main side ---------------------------------------------------------------------------
@@ -150,6 +200,11 @@ def supported() -> str | None:
 
 
 def _probe() -> str | None:
+    """What workers do, tried once: a child process opens one of this process's memfds
+    through /proc/<pid>/fd. Opening it from here proves nothing: a process may always
+    open its own descriptors, while another needs PTRACE_MODE_READ over it, which a
+    non-dumpable main (prctl PR_SET_DUMPABLE 0, a credential change), an LSM or a
+    container without CAP_SYS_PTRACE in front of such a main refuses."""
     if not hasattr(os, "memfd_create"):
         return "os.memfd_create is not available (Linux 3.17+, Python 3.8+)"
     try:
@@ -157,13 +212,67 @@ def _probe() -> str | None:
     except OSError as e:
         return f"memfd_create failed: {e}"
     try:
-        probe = os.open(f"/proc/{os.getpid()}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
-    except OSError as e:
-        return f"workers could not open main's segments through /proc/<pid>/fd ({e})"
+        return _child_opens(f"/proc/{os.getpid()}/fd/{fd}")
     finally:
         os.close(fd)
-    os.close(probe)
-    return None
+
+
+PROBE_TIMEOUT_S = 10.0
+
+
+def _child_opens(path: str) -> str | None:
+    """None if a forked child of this process can open `path` read-write, as a worker
+    opens main's segments; else why not. The child does nothing else: one open, one
+    write of its errno to a pipe, _exit. A forked child has exactly main's credentials
+    and capabilities (a spawned worker's exec gives root no more than its bounding set,
+    and main itself was started the same way). The answer travels through the pipe, not
+    the exit status, which a SIGCHLD set to SIG_IGN would take away."""
+    r, w = os.pipe2(os.O_CLOEXEC)
+    try:
+        with warnings.catch_warnings():
+            # Python 3.12+ warns of fork() in a threaded process: the child runs no
+            # Python code beyond the at-fork hooks, one open and _exit
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:  # the child
+            code = 255
+            try:
+                try:
+                    os.close(os.open(path, os.O_RDWR | os.O_CLOEXEC))
+                    code = 0
+                except OSError as e:
+                    code = e.errno if e.errno and e.errno < 255 else 255
+                os.write(w, bytes([code]))
+            finally:
+                os._exit(0)
+        os.close(w)
+        w = -1
+        ready, _, _ = select.select([r], [], [], PROBE_TIMEOUT_S)
+        answer = os.read(r, 1) if ready else b""
+        if not answer:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass  # reaped already (SIGCHLD ignored)
+    finally:
+        os.close(r)
+        if w >= 0:
+            os.close(w)
+    if answer == b"\0":
+        return None
+    if not answer:
+        return (f"a child process given {PROBE_TIMEOUT_S:.0f} s to open main's segments "
+                f"through {path}, as workers do, did not answer")
+    code = answer[0]
+    why = os.strerror(code) if code != 255 else "an error"
+    return (f"a child process cannot open main's segments through /proc/<main pid>/fd as "
+            f"workers do ({why}: a main process that is not dumpable, after prctl "
+            "PR_SET_DUMPABLE 0 or a change of credentials, where children lack "
+            "CAP_SYS_PTRACE; or an LSM's policy)")
 
 
 def create(nbytes: int, what: str, label: str, dontfork: bool = True) -> tuple[Mapping, int, int]:
@@ -176,13 +285,7 @@ def create(nbytes: int, what: str, label: str, dontfork: bool = True) -> tuple[M
         fork.hold(fd)
     try:
         os.ftruncate(fd, nbytes)
-        try:
-            os.posix_fallocate(fd, 0, nbytes)
-        except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
-                raise space_error(nbytes, what) from None
-            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                raise
+        SPACE.reserve(fd, nbytes, what)
         if _SEALS:
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
         mapping = Mapping(fd, nbytes, dontfork)
@@ -193,14 +296,29 @@ def create(nbytes: int, what: str, label: str, dontfork: bool = True) -> tuple[M
     return mapping, fd, inode
 
 
-def claim_control(nbytes: int) -> tuple[Mapping, int, int]:
-    """A new pool's control segment with its owner lock held: (mapping, fd, inode).
-    The fd is the pool's one descriptor for its whole life (segments.py: owner lock)."""
-    mapping, fd, inode = create(nbytes, "the control block", "control")
-    if not take_owner_lock(fd):
-        fork.release(fd)
-        raise RuntimeError("internal error: a new memfd's owner lock is already held")
-    return mapping, fd, inode
+def _descriptor_headroom() -> int:
+    """Descriptors this process may still open (RLIMIT_NOFILE's soft limit less those open)."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        return 1 << 30
+    try:
+        used = len(os.listdir("/proc/self/fd")) - 1
+    except OSError:
+        return soft
+    return soft - used
+
+
+def refuses(max_slots: int) -> str | None:
+    """supported()'s answer, or, where RLIMIT_NOFILE leaves fewer than `max_slots` +
+    FD_MARGIN descriptors, that: a pool can need one descriptor per slot for a moment (a
+    new segment's, until every worker has mapped it: all of them when the pool is made)."""
+    why_not = supported()
+    if why_not is None:
+        headroom = _descriptor_headroom()
+        if headroom < max_slots + FD_MARGIN:
+            why_not = (f"a pool of {max_slots} slots may hold {max_slots + 1} descriptors while "
+                       f"its workers attach, and RLIMIT_NOFILE leaves {headroom} (raise ulimit -n)")
+    return why_not
 
 
 # -- worker side -------------------------------------------------------------------------
@@ -240,11 +358,11 @@ def open_segment(main_pid: int, fd: int, inode: int, size: int, keep_fd: bool = 
     return mapping
 
 
-class MemfdSegments:
+class Segments:
     """Main side of the memfd backend (module docstring). A segment's descriptor is
     its release key: kept until every worker has mapped it, closed then."""
 
-    kind = "memfd"
+    kind = KIND
 
     def __init__(self, owner_pid: int):
         self.owner_pid = owner_pid
@@ -252,10 +370,15 @@ class MemfdSegments:
         self._fds: set[int] = set()  # slot segments' descriptors not yet released
 
     def check_space(self, nbytes: int, what: str) -> None:
-        check_space(nbytes, what)
+        SPACE.check(nbytes, what)
 
     def claim_control(self, nbytes: int) -> Mapping:
-        mapping, fd, inode = claim_control(nbytes)
+        """The control segment's descriptor is the pool's one descriptor for its whole
+        life: it carries the owner lock (poolloader.shm.backend)."""
+        mapping, fd, inode = create(nbytes, "the control block", "control")
+        if not take_owner_lock(fd):
+            release_owner_lock(fd)
+            raise RuntimeError("internal error: a new memfd's owner lock is already held")
         self._control = (fd, inode, nbytes)
         return mapping
 
@@ -270,7 +393,7 @@ class MemfdSegments:
         """(mapping, descriptor, inode, release key) of a new slot segment. Checked
         against the memory available first: under a cgroup limit, reserving pages that
         are not there may wake the OOM killer instead of failing."""
-        check_space(nbytes, what)
+        SPACE.check(nbytes, what)
         mapping, fd, inode = create(nbytes, what, f"slot{slot}")
         self._fds.add(fd)
         return mapping, fd, inode, fd
@@ -290,11 +413,11 @@ class MemfdSegments:
             fork.release(fd)
         self._fds.clear()
         if self._control is not None:
-            fork.release(self._control[0])  # the owner lock goes with it
+            release_owner_lock(self._control[0])
             self._control = None
 
 
-class MemfdAttachment:
+class Attachment:
     """Worker side: the control segment opened through main's /proc/<pid>/fd, and this
     worker's own descriptor of it, which answers whether main's owner lock is held."""
 
