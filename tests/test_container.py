@@ -178,7 +178,10 @@ def test_a_memory_limit_full_of_page_cache_runs_the_epochs_dataloader_runs(tmp_p
         print({k: v for k, v in result.items() if not isinstance(v, list) or len(v) < 3})
         assert result["cgroup"] == ["/" + os.path.relpath(cgroup, "/sys/fs/cgroup/memory")] \
             or result["cgroup"][0].endswith(os.path.basename(cgroup))
-        assert result["after_read"]["cache"] >= CGROUP_LIMIT // 2  # the cache is full
+        # the cache is full: it holds at least half of what the child's own memory leaves
+        # (a CUDA build of torch makes the child's RSS about 300 MB of the 512 MiB)
+        after = result["after_read"]
+        assert after["cache"] >= (CGROUP_LIMIT - after["rss"]) // 2, after
         assert len(result["dataloader"]) == 12
         assert result["pool"] == result["dataloader"]
         assert len(result["growth_dataloader"]) == 12
@@ -186,7 +189,8 @@ def test_a_memory_limit_full_of_page_cache_runs_the_epochs_dataloader_runs(tmp_p
         assert result["slot_growths"] >= 1
         # most of what it counts is there: a pool of it is reserved and delivers
         assert result["near"] == [1 << 20] * 4, result["near"]
-        assert result["near_pool_bytes"] >= CGROUP_LIMIT // 4
+        # far beyond the limit less the usage (a few MB here): the cache was counted
+        assert result["near_pool_bytes"] >= after["cache"] // 4, (result["near_pool_bytes"], after)
         refused = result["refused"]
         assert refused.startswith("ShmSpaceError") and "reclaimable page cache" in refused, refused
         assert "--memory" in refused and str(CGROUP_LIMIT) in refused
