@@ -26,10 +26,26 @@ same random flips), the model is seeded before it is built, the main process
 uses a fixed number of threads and deterministic algorithms, so with the same
 seed and arguments both arms print the same loss curve, bit for bit.
 
+Under torchrun (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT` in
+the environment) every rank joins a process group (gloo on the CPU, nccl on
+`cuda:LOCAL_RANK` for `--device cuda`), the model is wrapped in
+DistributedDataParallel and each rank reads its share of the data through a
+`DistributedSampler(shuffle=True, seed=--seed)` told the epoch (`set_epoch`)
+before each epoch; the loader's generator, which seeds its workers, is seeded
+with `--seed + RANK`, so ranks draw different augmentations. Each rank trains
+on its own batches and records its own losses (gradients are averaged across
+ranks by DDP); `--steps` counts each rank's steps. Local rank 0 generates the
+data first, the other ranks then find it. Without torchrun it is one process,
+as before: no process group, no sampler, the same losses.
+
 Reported at the end: images per second (all steps, and after `--warmup-steps`),
 the share of wall time the training loop spent inside `next()` waiting for
 data, the final loss and a summary of the loss curve, and for PoolLoader
-`loader.stats.as_dict()`. `--json PATH` writes all of it with the per-step losses.
+`loader.stats.as_dict()`. `--json PATH` writes all of it with the per-step losses and
+the image ids of each step's batch. Under torchrun each rank prints its own
+report (headed `rank R/W`) and writes its own file, `PATH` with `.rank<R>` before
+the extension (`run.json` -> `run.rank0.json`, `run.rank1.json`), in the same
+format (its `rank` and `world_size` fields say whose it is).
 
 The synthetic data (`--images` JPEGs, 640×480) is generated once and cached in
 `--data` (default: this user's private cache, `$XDG_CACHE_HOME/poolloader/
@@ -39,6 +55,7 @@ coco-like-seed<S>-n<N>`, checked against its manifest before each use; see
 Example:
     python examples/train_detector.py --loader pool --workers 2 --steps 60
     python examples/train_detector.py --loader torch --workers 2 --steps 60
+    torchrun --standalone --nproc_per_node=2 examples/train_detector.py --loader pool --json run.json
 """
 from __future__ import annotations
 
@@ -54,8 +71,10 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch import distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler
 
 # The data generator lives in the repository's fixtures/ (not installed with the package).
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -189,6 +208,13 @@ def targets_on(targets, device, non_blocking: bool) -> list[dict]:
     return [{k: v.to(device, non_blocking=non_blocking) for k, v in t.items()} for t in targets]
 
 
+def image_ids(targets) -> list[int]:
+    """The batch's image ids, read on the CPU before any copy: which images a rank read."""
+    if isinstance(targets, PackedTargets):
+        return targets.fields["image_id"].flatten().tolist()
+    return [int(t["image_id"]) for t in targets]
+
+
 # ---------------------------------------------------------------------------
 # training
 
@@ -213,26 +239,85 @@ def progress(total: int, enabled: bool):
     return tqdm(total=total, unit="step", dynamic_ncols=True, file=sys.stderr)
 
 
-def train(args) -> dict:
-    device = torch.device(args.device)
+class Ranks:
+    """Where this process stands in a torchrun job: rank, world size, local rank.
+
+    `Ranks.from_environment()` is one process (rank 0 of 1, not distributed)
+    unless torchrun's variables are set."""
+
+    def __init__(self, rank: int = 0, world_size: int = 1, local_rank: int = 0,
+                 distributed: bool = False):
+        self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
+        self.distributed = distributed
+
+    @classmethod
+    def from_environment(cls, environ=os.environ) -> Ranks:
+        if "RANK" not in environ or "WORLD_SIZE" not in environ:
+            return cls()
+        return cls(int(environ["RANK"]), int(environ["WORLD_SIZE"]),
+                   int(environ.get("LOCAL_RANK", "0")), distributed=True)
+
+    def device(self, name: str) -> torch.device:
+        """`--device`; under torchrun a bare `cuda` is this rank's GPU, cuda:LOCAL_RANK."""
+        device = torch.device(name)
+        if self.distributed and device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", self.local_rank)
+        return device
+
+    def join(self, device: torch.device) -> None:
+        """Join the job's process group (env:// rendezvous: MASTER_ADDR, MASTER_PORT):
+        nccl on this rank's GPU, gloo on the CPU. Blocks until every rank has joined."""
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
+
+    def json_path(self, path: str) -> str:
+        """`path` for this rank: `.rank<R>` before the extension under torchrun."""
+        if not self.distributed:
+            return path
+        stem, ext = os.path.splitext(path)
+        return f"{stem}.rank{self.rank}{ext}"
+
+
+def prepare_data(args, ranks: Ranks) -> tuple[str, str]:
+    """The data set's (root, annotations); under torchrun local rank 0 generates it
+    (or checks the cached copy) while the others wait, then they check it too."""
+    if ranks.distributed and ranks.local_rank != 0:
+        dist.barrier()
+    found = cached_coco_like(args.images, args.seed, args.data)
+    if ranks.distributed and ranks.local_rank == 0:
+        dist.barrier()
+    return found
+
+
+def train(args, ranks: Ranks | None = None) -> dict:
+    ranks = Ranks() if ranks is None else ranks
+    device = ranks.device(args.device)
     torch.set_num_threads(args.threads)
     if device.type == "cuda":
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
     # On the CPU every op used here has a deterministic kernel; elsewhere warn only.
     torch.use_deterministic_algorithms(True, warn_only=device.type != "cpu")
 
-    root, ann = cached_coco_like(args.images, args.seed, args.data)
+    root, ann = prepare_data(args, ranks)
     multiscale = [int(s) for s in args.multiscale.split(",")] if args.multiscale else None
     dataset = CocoLikeDataset(root, ann, resolution=args.resolution, multiscale=multiscale,
                               augment=True)
 
+    # Under torchrun each rank reads its share, reshuffled each epoch (set_epoch below).
+    sampler = (DistributedSampler(dataset, num_replicas=ranks.world_size, rank=ranks.rank,
+                                  shuffle=True, seed=args.seed)
+               if ranks.distributed else None)
     # The only difference between the arms: the class.
     loader_cls = LOADERS[args.loader]
     loader = loader_cls(
-        dataset, batch_size=args.batch_size, shuffle=True, num_workers=args.workers,
+        dataset, batch_size=args.batch_size, shuffle=sampler is None, sampler=sampler,
+        num_workers=args.workers,
         collate_fn=DetectionCollate(pack=args.pack_targets), pin_memory=args.pin_memory,
         drop_last=True, persistent_workers=args.persistent_workers and args.workers > 0,
-        generator=torch.Generator().manual_seed(args.seed),
+        generator=torch.Generator().manual_seed(args.seed + ranks.rank),
         prefetch_factor=args.prefetch_factor if args.workers > 0 else None)
     if len(loader) == 0:
         raise SystemExit(f"--images {args.images} gives no full batch of --batch-size {args.batch_size}")
@@ -241,16 +326,21 @@ def train(args) -> dict:
     torch.manual_seed(args.seed)
     model = TinyDetector(queries=args.queries).to(device)
     model.train()
+    if ranks.distributed:  # averages gradients across ranks in backward()
+        model = DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     lookup = label_lookup().to(device)
 
-    losses, next_s, step_end = [], [], []
+    losses, next_s, step_end, seen = [], [], [], []
     stats = None
-    bar = progress(steps, args.progress)
+    bar = progress(steps, args.progress and ranks.rank == 0)
     start = time.perf_counter()
     epoch = 0
     try:
         while len(losses) < steps:
+            if sampler is not None:
+                sampler.set_epoch(epoch)
             it = iter(loader)
             while len(losses) < steps:
                 t0 = time.perf_counter()
@@ -259,6 +349,7 @@ def train(args) -> dict:
                 except StopIteration:
                     break
                 next_s.append(time.perf_counter() - t0)
+                seen.append(image_ids(targets))
                 images = images.to(device, non_blocking=args.pin_memory)
                 mask = mask.to(device, non_blocking=args.pin_memory)
                 targets = targets_on(targets, device, args.pin_memory)
@@ -291,6 +382,8 @@ def train(args) -> dict:
     steady_wait = sum(next_s[warm:])
     result = {
         "loader": args.loader,
+        "rank": ranks.rank,
+        "world_size": ranks.world_size,
         "config": {k: v for k, v in vars(args).items() if k not in ("json",)},
         "data": root,
         "steps": len(losses),
@@ -307,7 +400,9 @@ def train(args) -> dict:
         "final_loss": losses[-1],
         "loss_curve": curve_summary(losses),
         "losses": losses,
+        "image_ids": seen,
         "loader_stats": stats,
+        "pid": os.getpid(),
         "torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
     }
     return result
@@ -315,8 +410,9 @@ def train(args) -> dict:
 
 def report(result: dict) -> str:
     curve = result["loss_curve"]
+    rank = f"rank {result['rank']}/{result['world_size']}: " if result["world_size"] > 1 else ""
     lines = [
-        f"loader {result['loader']}: {result['steps']} steps × {result['images_per_step']} images "
+        f"{rank}loader {result['loader']}: {result['steps']} steps × {result['images_per_step']} images "
         f"in {result['wall_s']:.2f} s",
         f"  img/s                 {result['img_per_s']:.1f} (after {result['warmup_steps']} warm-up "
         f"steps: {result['steady_img_per_s']:.1f})",
@@ -372,10 +468,20 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    result = train(args)
-    print(report(result))
+    ranks = Ranks.from_environment()
+    if ranks.distributed:
+        ranks.join(ranks.device(args.device))
+    try:
+        result = train(args, ranks)
+    finally:
+        if ranks.distributed:
+            dist.destroy_process_group()
+    # One write (torchrun's `python -u` would make print's text and newline two), so the
+    # ranks' reports, on one terminal, do not cut into each other's lines.
+    sys.stdout.write(report(result) + "\n")
+    sys.stdout.flush()
     if args.json:
-        with open(args.json, "w") as f:
+        with open(ranks.json_path(args.json), "w") as f:
             json.dump(result, f, indent=2)
             f.write("\n")
     return result
