@@ -5,9 +5,14 @@ a real model and optimizer), with a bounded timeout. The data set is generated
 once in this test's tmp_path and shared by both runs. After the runs nothing of
 theirs may remain: no /dev/shm name carrying a run's pid, no process whose
 command line names this test's data folder (forked workers inherit it).
+
+Under torchrun (`python -m torch.distributed.run --standalone`, 2 ranks on gloo) the
+same holds per rank for `--loader pool`, `--loader torch` and the runner
+(`-m poolloader SCRIPT --loader torch`), and the ranks split every epoch between them.
 """
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -75,3 +80,121 @@ def test_nothing_left_behind(runs):
     names, procs = leftovers([pid for pid, _, _ in results.values()], str(data))
     assert not names, f"shared-memory names left by the training runs: {names}"
     assert not procs, f"processes of the training runs still alive: {procs}"
+
+
+# -- under torchrun: 2 ranks, gloo, DistributedDataParallel, DistributedSampler --------------
+
+DDP_RANKS = 2
+DDP_TIMEOUT_S = 180  # one 2-rank job: ~10 s on an idle 2-core machine, ~25 s loaded
+DDP_TERM_GRACE_S = 15
+DDP_STEPS = 24  # per rank, as STEPS
+EPOCH_STEPS = 3  # 24 images / 2 ranks / batch 4: 8 epochs
+DDP_ARMS = {  # name: (what runs under torchrun, the script's --loader)
+    "pool": ([SCRIPT], "pool"),
+    "torch": ([SCRIPT], "torch"),
+    "runner": (["-m", "poolloader", SCRIPT], "torch"),  # its DataLoader made a PoolLoader
+}
+
+
+def _stop_torchrun(proc, marker):
+    """Stop a torchrun that ran too long: SIGTERM its group (the agent then stops its
+    ranks, each in a session of its own), SIGKILL it after a grace, then SIGKILL by pid
+    whatever still carries this run's `marker` (ranks and their workers)."""
+    for signum, grace in ((signal.SIGTERM, DDP_TERM_GRACE_S), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, signum)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(grace)
+            break
+        except subprocess.TimeoutExpired:
+            pass
+    for pid in leftovers([], marker, settle_s=0)[1]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _torchrun(arm, data, out):
+    """Run one arm under `python -m torch.distributed.run --standalone`; (torchrun's pid,
+    its output, each rank's --json result by rank)."""
+    target, loader = DDP_ARMS[arm]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={DDP_RANKS}", *target, "--loader", loader, "--data", str(data),
+           "--json", str(out / f"{arm}.json"), *ARGS, "--persistent-workers"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=ROOT, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=DDP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        _stop_torchrun(proc, str(data))
+        output, _ = proc.communicate(timeout=10)
+        raise AssertionError(f"torchrun {arm} ran longer than {DDP_TIMEOUT_S} s:\n"
+                             f"{output[-3000:]}") from None
+    assert proc.returncode == 0, f"torchrun {arm} failed ({proc.returncode}):\n{output[-3000:]}"
+    results = []
+    for rank in range(DDP_RANKS):
+        with open(out / f"{arm}.rank{rank}.json") as f:
+            results.append(json.load(f))
+    return proc.pid, output, results
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory):
+    data = tmp_path_factory.mktemp("ddp-data") / "coco-like"
+    make_coco_like(str(data), 24, seed=3)
+    out = tmp_path_factory.mktemp("ddp-out")
+    return data, {arm: _torchrun(arm, data, out) for arm in DDP_ARMS}
+
+
+def test_torchrun_ranks_have_the_same_losses_under_every_loader(ddp_runs):
+    _data, runs = ddp_runs
+    for rank in range(DDP_RANKS):
+        losses = {arm: results[rank]["losses"] for arm, (_, _, results) in runs.items()}
+        assert len(losses["torch"]) == DDP_STEPS
+        # gloo's CPU allreduce sums in a fixed order: bit-identical, as in one process
+        assert losses["pool"] == losses["torch"], f"rank {rank}"
+        assert losses["runner"] == losses["torch"], f"rank {rank}"
+    first = runs["pool"][2]
+    assert [r["rank"] for r in first] == list(range(DDP_RANKS))
+    assert {r["world_size"] for r in first} == {DDP_RANKS}
+    assert first[0]["losses"] != first[1]["losses"]  # each rank its own batches
+    for results in (first, runs["runner"][2]):
+        assert all(r["loader_stats"]["batches"] == DDP_STEPS for r in results)
+    assert all(r["loader_stats"] is None for r in runs["torch"][2])
+
+
+def test_torchrun_ranks_share_each_epoch_and_reshuffle(ddp_runs):
+    """DistributedSampler: in each epoch the ranks read disjoint halves of the data set,
+    and set_epoch gives every epoch another order."""
+    _data, runs = ddp_runs
+    for arm, (_, _, results) in runs.items():
+        per_rank = [r["image_ids"] for r in results]
+        assert [len(ids) for ids in per_rank] == [DDP_STEPS] * DDP_RANKS
+        epochs = []
+        for e in range(0, DDP_STEPS, EPOCH_STEPS):
+            shares = [sum(ids[e:e + EPOCH_STEPS], []) for ids in per_rank]
+            assert sorted(shares[0] + shares[1]) == list(range(1, 25)), (arm, e, shares)
+            epochs.append(shares)
+        assert len({str(e) for e in epochs}) == len(epochs), (arm, epochs)  # reshuffled
+
+
+def test_torchrun_reports_per_rank(ddp_runs):
+    _data, runs = ddp_runs
+    for arm, (_, output, _) in runs.items():
+        for rank in range(DDP_RANKS):
+            assert f"rank {rank}/{DDP_RANKS}: loader {DDP_ARMS[arm][1]}" in output, arm
+    summary = runs["runner"][1]  # the runner's summary at exit, one per rank
+    for rank in range(DDP_RANKS):
+        assert f"MainProcess, rank {rank})" in summary
+
+
+def test_torchrun_leaves_nothing_behind(ddp_runs):
+    data, runs = ddp_runs
+    pids = [pid for pid, _, _ in runs.values()]
+    pids += [r["pid"] for _, _, results in runs.values() for r in results]
+    names, procs = leftovers(pids, str(data))
+    assert not names, f"shared-memory names left by the torchrun jobs: {names}"
+    assert not procs, f"processes of the torchrun jobs still alive: {procs}"
