@@ -8,10 +8,8 @@ worker writing only its own row; reading them sums a few integers.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from poolloader.main.memory import MemoryReport
+from poolloader.main.memory import MemoryReport, report
 
 
 class LoaderStats:
@@ -142,12 +140,14 @@ class LoaderStats:
         memory as last_memory when memory_at_shutdown is set (once per iterator, never
         per batch)."""
         if self.memory_at_shutdown and self._pool is pool and self._live_pool() is not None:
-            self.last_memory = self.memory()
+            try:
+                self.last_memory = self.memory()
+            except Exception:  # a figure for a summary must not fail a teardown
+                pass  # (at interpreter exit, say); last_memory keeps the previous report
 
     def memory(self) -> MemoryReport:
         """The live workers' memory and main's, read from /proc now (see the class
         docstring). A worker that has exited, or exits while this reads, is left out."""
-        from poolloader.main.memory import report
         live = []
         if self._live_pool() is not None:
             for worker_id, process in enumerate(self._workers):
