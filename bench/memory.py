@@ -120,8 +120,7 @@ def child(spec: dict) -> None:
         if arm == "frozen":
             frozen = getattr(poolloader, "frozen", None)
             if frozen is None:
-                print(json.dumps({SKIPPED: "this tree has no poolloader.frozen (the remedy "
-                                           "for fork's copy-on-write is not in it yet)"}))
+                print(json.dumps({SKIPPED: "no poolloader.frozen in this tree"}))
                 return
             items = frozen(items)
         data = Records(items)
