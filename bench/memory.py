@@ -30,7 +30,8 @@ the other, the order rotated per repetition, as bench/throughput.py does):
 Memory figures hardly depend on the machine's load; times do (a loaded 2-core machine
 moves them by tens of percent): compare the ratios inside one run. The table gives
 median [min–max] over repetitions, the paired per-repetition ratio, and each target
-with "met" or "missed by" the factor between the measured ratio and the target.
+with "met" or "missed by" the factor between the measured ratio and the target; the
+plot (--out / --plot) shows (a)'s PSS sums.
 
 Usage:
     python bench/memory.py [--quick] [--parts a,b,c] [--workers 4] [--array-mib 512]
@@ -357,6 +358,15 @@ def main(argv=None) -> int:
             "side by side. Memory figures hardly depend on load; times do.\n\n")
     common.write_outputs(cfg, head + table(raw, cfg), {"raw": raw.as_json(), "baseline": cfg.baseline,
                                                        "baseline_rev": rev, "tree_rev": here})
+    if cfg.plot and "a" in cfg.parts_list:
+        methods = PARTS["a"][0]
+        common.plot_bars(cfg.plot, list(methods),
+                         {ARM_LABEL[arm]: [common.summarize(raw.series(("a", m), arm, "pss_mib"))
+                                           for m in methods]
+                          for arm in PARTS["a"][1] if arm in cfg.arms},
+                         ylabel="workers' PSS sum, MiB",
+                         title=f"(a) {cfg.workers} workers, {cfg.array_mib} MiB array + "
+                               f"{cfg.tensor_mib} MiB tensor")
     return 0 if not common.wait_no_children() else 1
 
 
