@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -195,6 +196,17 @@ def test_summary_at_exit_and_on_request(both_arms):
         assert "slots of 0.1 MiB" in block  # --slot-bytes 65536 reached the loaders
         assert "DataLoader (num_workers=0)" in block
         assert block.count("     advice: ") == 2  # stats.advice() of each pooled loader
+        # both pooled loaders ended their epoch before SIGUSR1: the memory line is what
+        # each iterator read just before it stopped its two workers
+        memory = [m for m in block.splitlines() if m.startswith("     memory (")]
+        assert len(memory) == 2, block
+        for m in memory:
+            figures = re.fullmatch(r"     memory \(as its workers stopped\): 2 workers USS "
+                                   r"([\d.]+) MiB, PSS ([\d.]+) MiB \(sums\); main USS "
+                                   r"([\d.]+) MiB, PSS ([\d.]+) MiB", m)
+            assert figures, m
+            uss, pss, main_uss, main_pss = map(float, figures.groups())
+            assert 0 < uss <= pss and 0 < main_uss <= main_pss, m
     child = [block for block in stderr.split("poolloader: ") if "SpawnProcess" in block]
     assert len(child) == 1 and "6 batches" in child[0], stderr
 

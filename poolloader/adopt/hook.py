@@ -346,6 +346,8 @@ def _observe(loader: PoolLoader) -> None:
     kind = "pool" if loader.num_workers > 0 else "no workers"
     built = _Built(kind, type(loader).__qualname__, _where(), loader.num_workers, loader.stats)
     built.loader = weakref.ref(loader)
+    if _State.report:  # the summary's memory line: read as each iterator stops its workers
+        loader.stats.memory_at_shutdown = True
     _track(built)
 
 
@@ -417,8 +419,8 @@ def _plural(n: int, word: str, words: str = "") -> str:
 def summary() -> str:
     """A short report of the loaders built in this process while pooling was on:
     per pooled loader, batches, how long next() waited (share of the run so far),
-    worker busy/idle, pool size and growths, and its stats.advice(); then the loaders
-    left as DataLoader."""
+    worker busy/idle, pool size and growths, the memory line, and its stats.advice();
+    then the loaders left as DataLoader."""
     pid = os.getpid()
     elapsed = time.monotonic() - _State.started
     listing = _State.listing if _State.listing.pid == pid else _Listing()
@@ -451,6 +453,7 @@ def summary() -> str:
             f"(slots of {_mib(max(s.learned_slot_bytes, s.slot_bytes))}); "
             f"{_plural(s.slot_growths, 'slot growth')}, {_plural(s.pool_growths, 'pool growth')}, "
             f"{s.detaches} held batches detached")
+        lines += _memory_lines(s)
         for k, statement in enumerate(s.advice().splitlines()):
             lines.append(("     advice: " if k == 0 else "             ") + statement)
     if other.count:
@@ -463,6 +466,18 @@ def summary() -> str:
                 continue
             lines.append(f"     {b.name} ({_why(b.kind)}) built at {b.where}")
     return "\n".join(lines)
+
+
+def _memory_lines(stats) -> list[str]:
+    """The memory line of one loader: its workers' now if an iterator is live (SIGUSR1
+    mid-epoch), else as they were when the last iterator stopped them."""
+    memory = stats.memory()
+    when = "now"
+    if not memory.workers:
+        memory, when = stats.last_memory, "as its workers stopped"
+    if memory is None or not memory.workers:
+        return []
+    return [f"     memory ({when}): {memory.line()}"]
 
 
 def _why(kind: str) -> str:

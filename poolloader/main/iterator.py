@@ -153,7 +153,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                     capture=loader.stateful)
                 self._workers.append(start_without_pipes(ctx, worker_loop, (cfg,)))
             supervise.track(self)
-            self._stats.attach_pool(self._pool, self._ledger)
+            self._stats.attach_pool(self._pool, self._ledger, self._workers)
             self._stats.num_workers = n
             self._reset(loader, first_iter=True)
         except BaseException:
@@ -543,8 +543,9 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         self._shutdown_workers()
 
     # The teardown steps, in order (methods below).
-    _TEARDOWN = ("_close_requests", "_stop_workers", "_close_shared_start", "_close_replies",
-                 "_close_stager", "_close_ledger", "_detach_stats", "_close_pool", "_untrack")
+    _TEARDOWN = ("_note_memory", "_close_requests", "_stop_workers", "_close_shared_start",
+                 "_close_replies", "_close_stager", "_close_ledger", "_detach_stats",
+                 "_close_pool", "_untrack")
 
     def _shutdown_workers(self) -> None:
         """The one place that stops everything, in order: close the request rings
@@ -568,6 +569,10 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
             self._teardown_left = tuple(s for s in self._teardown_left if s != step)
         if error is not None:
             raise error
+
+    def _note_memory(self) -> None:
+        if self._pool is not None:  # the workers' last moment alive (stats.last_memory)
+            self._stats.workers_stopping(self._pool)
 
     def _close_requests(self) -> None:
         try:

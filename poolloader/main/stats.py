@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import time
 
+from poolloader.main.memory import MemoryReport, report
+
 
 class LoaderStats:
     """Live counters of one PoolLoader, across its iterators and epochs.
@@ -21,12 +23,11 @@ class LoaderStats:
                      consumer, or a pool with too few free slots, is the bottleneck)
     worker_batches   batches workers produced (includes prefetched ones)
     slot_growths     slots replaced by a bigger segment (a batch did not fit)
-    pool_growths     slots added to the pool (only when slots= is below what
-                     num_workers × prefetch_factor requests in flight need)
+    pool_growths     slots added to the pool: slots= was below what num_workers ×
+                     prefetch_factor requests in flight need, the consumer held every
+                     slot, or every other slot was cooling (see cooling_growths)
     detaches         held batches detached from the pool: the consumer kept every
                      slot's batch, so the oldest one's segment left the pool with it
-    pool_growths     slots added because the consumer held every slot, or because
-                     every other slot was cooling (see cooling_growths)
     cooling_growths  slots added because every free slot was still cooling: waiting
                      for CUDA copies that may read it (pin_memory=True / device=)
     cooling_waits    times next() had to wait for a cooling slot (the pool was at
@@ -44,6 +45,17 @@ class LoaderStats:
                      freed as those batches are dropped
     peak_slot_count, peak_pool_bytes: the largest pool any iterator had (pools only
                      grow while they live), still there after the pool is gone
+
+    memory()         the workers' and main's memory, read from /proc now (a
+                     poolloader.main.memory.MemoryReport: per live worker its id, pid,
+                     uss, pss, rss and shared bytes, main's, and the workers' sums;
+                     no workers when no iterator is live). Costs one /proc read per
+                     process, so it is a call, never done per batch
+    last_memory      the memory() an iterator read just before it stopped its workers
+                     (its last moment with them alive: the end of a non-persistent
+                     epoch, or the iterator's shutdown), when `memory_at_shutdown` is
+                     True (False by default; `python -m poolloader` sets it for its
+                     summary); None until then
 
     Every counter accumulates over the loader's lifetime (a non-persistent loader
     makes a new pool each epoch; the pool's worker counters are added up when it
@@ -69,8 +81,11 @@ class LoaderStats:
         self.num_workers = 0
         self._closed_workers = [0, 0, 0]  # worker columns of pools already closed
         self._closed_peak = (0, 0)  # (slots, bytes) of the largest pool already closed
+        self.memory_at_shutdown = False
+        self.last_memory: MemoryReport | None = None
         self._pool = None
         self._ledger = None
+        self._workers: list = []  # the live iterator's worker processes (attach_pool)
 
     def __getstate__(self) -> dict:
         # pickle / deepcopy (of a loader mid-epoch, as DataLoader allows): the copy
@@ -82,6 +97,7 @@ class LoaderStats:
             state["_closed_workers"] = [self._worker_column(c) for c in range(3)]
             state["_closed_peak"] = (self.peak_slot_count, self.peak_pool_bytes)
         state["_pool"] = state["_ledger"] = None
+        state["_workers"] = []
         return state
 
     # -- what the iterator (poolloader.main.iterator) calls ------------------------------
@@ -111,11 +127,35 @@ class LoaderStats:
         from poolloader.main.advice import advise
         return advise(self)
 
-    def attach_pool(self, pool, ledger=None) -> None:
+    def attach_pool(self, pool, ledger=None, workers=None) -> None:
         """Called by the iterator once `pool` serves this loader (its live figures are read
-        from it, and `ledger`'s detached bytes)."""
+        from it, and `ledger`'s detached bytes; `workers`: its worker processes, by worker
+        id, whose memory memory() reads)."""
         self._pool = pool
         self._ledger = ledger
+        self._workers = [] if workers is None else workers
+
+    def workers_stopping(self, pool) -> None:
+        """Called by the iterator of `pool` just before it stops its workers: keeps their
+        memory as last_memory when memory_at_shutdown is set (once per iterator, never
+        per batch)."""
+        if self.memory_at_shutdown and self._pool is pool and self._live_pool() is not None:
+            try:
+                self.last_memory = self.memory()
+            except Exception:  # a figure for a summary must not fail a teardown
+                pass  # (at interpreter exit, say); last_memory keeps the previous report
+
+    def memory(self) -> MemoryReport:
+        """The live workers' memory and main's, read from /proc now (see the class
+        docstring). A worker that has exited, or exits while this reads, is left out."""
+        live = []
+        if self._live_pool() is not None:
+            for worker_id, process in enumerate(self._workers):
+                # exitcode polls without waiting; a live child's pid is not reused until
+                # this process reaps it, so the pid read next is still that worker's
+                if process.pid is not None and process.exitcode is None:
+                    live.append((worker_id, process.pid))
+        return report(live)
 
     def detach_pool(self, pool) -> None:
         """Called by the iterator before it closes `pool`: its worker counters and peaks
@@ -128,6 +168,7 @@ class LoaderStats:
         if self._pool is pool:
             self._pool = None
             self._ledger = None
+            self._workers = []
 
     def _live_pool(self):
         pool = self._pool
