@@ -7,8 +7,9 @@ start pickles the worker's arguments — the dataset, worker_init_fn and collate
 in the main process and unpickles them in the worker. DataLoader does it once per
 worker, every epoch unless persistent_workers=True (pytorch/pytorch #139792, PR
 #87802: a 2 GB dataset with 32 workers took ~30 min to the first batch). PoolLoader
-pickles them once per iterator into shared memory and each worker unpickles its own
-copy from there (poolloader.worker.startup), so main's part does not grow with workers.
+pickles them once per iterator into shared memory and each worker unpickles its Python
+objects from there, its arrays mapped rather than copied (poolloader.worker.startup),
+so main's part does not grow with workers.
 
 Dataset (`Annotated`): a COCO-style index held in Python objects — per image a file
 name and a list of annotation dicts (bbox list, category, area, iscrowd, ids) —

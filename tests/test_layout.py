@@ -74,6 +74,13 @@ ALLOWED_READS = {
         "has no public call for it",
     ("poolloader.wire.codec", "t.untyped_storage()._cdata"):
         "the storage handle that torch._C._storage_Use_Count takes",
+    ("poolloader.main.startup", "obj._untyped_storage"):
+        "the UntypedStorage under a TypedStorage, as torch's Tensor.__reduce_ex__ reads "
+        "it: TypedStorage.untyped() warns that TypedStorage is deprecated",
+    ("poolloader.main.startup", "torch._utils._rebuild_tensor_v3"):
+        "torch's rebuild of a tensor whose dtype TypedStorage lacks: the start-up "
+        "pickler recognises it in the tensor's own __reduce_ex__ to give it the storage "
+        "torch.load would (torch has no public name for it)",
     ("poolloader.worker.loop", "signal_handling._set_worker_signal_handlers"):
         "torch's own worker loop installs these handlers: a worker behaves as DataLoader's",
     ("poolloader.worker.loop", "torch.multiprocessing._set_thread_name"):

@@ -48,6 +48,7 @@ the OOM killer, so such a request is refused here.
 from __future__ import annotations
 
 import fcntl
+import mmap
 import os
 import resource
 import select
@@ -328,12 +329,9 @@ class StaleHandle(Exception):
     replaced that segment meanwhile; a later sync finds the newer one."""
 
 
-def open_segment(main_pid: int, fd: int, inode: int, size: int, keep_fd: bool = False):
-    """Map main's segment (descriptor `fd`, `inode`, `size` bytes) from a worker.
-
-    Raises StaleHandle if that descriptor is closed or is another inode now, and
-    PermissionError with what to do if /proc refuses. Returns the Mapping, or with
-    `keep_fd` (mapping, the worker's own descriptor of it)."""
+def _open_checked(main_pid: int, fd: int, inode: int, size: int) -> int:
+    """A worker's own descriptor of main's segment (descriptor `fd`, `inode`, `size`
+    bytes), opened through /proc and checked to be that segment (module docstring)."""
     path = f"/proc/{main_pid}/fd/{fd}"
     try:
         own = os.open(path, os.O_RDWR | os.O_CLOEXEC)
@@ -348,6 +346,20 @@ def open_segment(main_pid: int, fd: int, inode: int, size: int, keep_fd: bool = 
         st = os.fstat(own)
         if st.st_ino != inode or st.st_size != size:
             raise StaleHandle(path)
+    except BaseException:
+        os.close(own)
+        raise
+    return own
+
+
+def open_segment(main_pid: int, fd: int, inode: int, size: int, keep_fd: bool = False):
+    """Map main's segment (descriptor `fd`, `inode`, `size` bytes) from a worker.
+
+    Raises StaleHandle if that descriptor is closed or is another inode now, and
+    PermissionError with what to do if /proc refuses. Returns the Mapping, or with
+    `keep_fd` (mapping, the worker's own descriptor of it)."""
+    own = _open_checked(main_pid, fd, inode, size)
+    try:
         mapping = Mapping(own, size)
     except BaseException:
         os.close(own)
@@ -356,6 +368,21 @@ def open_segment(main_pid: int, fd: int, inode: int, size: int, keep_fd: bool = 
         return mapping, own
     os.close(own)
     return mapping
+
+
+def open_private(main_pid: int, fd: int, inode: int, size: int) -> mmap.mmap:
+    """Map main's segment copy-on-write (MAP_PRIVATE, readable and writable) from a
+    worker: its pages stay the segment's, shared with every process that maps it, until
+    this process writes one, which then becomes this process's own copy; nobody else
+    sees that write, and nothing this process does changes the segment. The mapping
+    keeps the segment alive (the descriptor is closed here) until the returned mmap is
+    unmapped: when it and every buffer exported from it are gone. Raises as
+    open_segment."""
+    own = _open_checked(main_pid, fd, inode, size)
+    try:
+        return mmap.mmap(own, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(own)
 
 
 class Segments:
