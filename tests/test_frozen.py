@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import copy
 import functools
+import gc
 import math
 import os
 import pickle
@@ -351,9 +352,12 @@ def _worker_growth(records, directory) -> list[int]:
 
 
 def test_forked_workers_do_not_copy_a_frozen_list(tmp_path):
-    records = [annotation(i) for i in range(150_000)]
-    plain = _worker_growth(records, tmp_path / "plain")
-    held = _worker_growth(frozen(records), tmp_path / "frozen")
+    n = 150_000
+    plain = _worker_growth([annotation(i) for i in range(n)], tmp_path / "plain")
+    gc.collect()
+    # no list of dicts alive when these workers fork: a collection in a worker (Python
+    # 3.14's incremental one runs as the worker allocates) would write its gc headers
+    held = _worker_growth(frozen([annotation(i) for i in range(n)]), tmp_path / "frozen")
     # the list of dicts is ~75 MiB of objects, nearly every page of which an epoch's
     # refcount writes copy into each worker; the frozen buffer is only read. Memory,
     # not time: the load on the machine does not move these figures.
