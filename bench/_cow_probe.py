@@ -15,9 +15,12 @@ str, "id": int, "bbox": [4 floats], "category_id": int, "area": float}; `Annotat
 reads one record per sample, every field of it, and returns 8 float64 values, in the
 order the sampler gives (shuffle=True: random access over the whole list).
 
-Run alone (fork, arms DataLoader and PoolLoader, each plain, with `gc.freeze()` and
-with `frozen`; every arm runs `--reps` times, in rotated order):
+Run alone (fork, arms DataLoader and PoolLoader, each plain, with `gc.freeze()`, with
+`frozen` and with both; every arm runs `--reps` times, in rotated order):
     python bench/_cow_probe.py [--records 500000] [--workers 4] [--reps 1]
+                               [--samples N] [--gc-collect]
+(`--samples`: an epoch of N random samples; `--gc-collect`: each worker runs one full
+collection first, the case `gc.freeze()` is for.)
 It prints per arm the median [min-max] of the workers' growth in MiB, and its ratio
 to DataLoader's (plain) median growth in the same repetition.
 """
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import pickle
 import random
 import statistics
 import sys
@@ -54,16 +58,22 @@ def coco_records(n: int, seed: int = 0) -> list[dict[str, Any]]:
 
 class Annotations:
     """A map-style dataset over `records` (a list of dicts, or poolloader.frozen of one):
-    sample i reads every field of record i."""
+    sample i reads every field of record i. `collect_once`: each worker runs one full
+    garbage collection (gc.collect()) before its first sample, as some libraries' code
+    does."""
 
-    def __init__(self, records: Any):
+    def __init__(self, records: Any, collect_once: bool = False):
         self.records = records
+        self.collect_once = collect_once
 
     def __len__(self) -> int:
         return len(self.records)
 
     def __getitem__(self, index: int):
         import torch
+        if self.collect_once:
+            self.collect_once = False  # this worker's copy only
+            gc.collect()
         record = self.records[index]
         return torch.tensor([record["id"], record["category_id"], record["area"],
                              *record["bbox"], len(record["file_name"])], dtype=torch.float64)
@@ -132,7 +142,8 @@ def arms() -> list[tuple[str, type, bool, bool]]:
     return [(f"{name}{suffix}", cls, frozen, freeze)
             for name, cls in (("DataLoader", DataLoader), ("PoolLoader", PoolLoader))
             for suffix, frozen, freeze in (("", False, False), (" + gc.freeze()", False, True),
-                                           (" + frozen", True, False))]
+                                           (" + frozen", True, False),
+                                           (" + frozen + gc.freeze()", True, True))]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -145,14 +156,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=1)
     parser.add_argument("--samples", type=int, default=None,
                         help="samples per epoch, drawn at random (default: every record once)")
+    parser.add_argument("--gc-collect", action="store_true",
+                        help="each worker runs gc.collect() once, before its first sample")
     args = parser.parse_args(argv)
 
-    records = coco_records(args.records)
-    plain, frozen = Annotations(records), Annotations(poolloader.frozen(records))
-    print(f"{args.records} records: {common.rss_bytes() / MIB:.0f} MiB RSS in main; "
-          f"frozen: {frozen.records.nbytes / MIB:.1f} MiB in one buffer; fork, "
+    def dataset(use_frozen: bool) -> Annotations:
+        """The records built anew for each arm: a frozen arm's workers inherit no list of
+        dicts (a full collection in a worker would write the headers of every object
+        main still holds), as where the user keeps only the frozen container."""
+        records = coco_records(args.records)
+        return Annotations(poolloader.frozen(records) if use_frozen else records, args.gc_collect)
+
+    before = common.rss_bytes()
+    sizes = [len(pickle.dumps(r, pickle.HIGHEST_PROTOCOL)) for r in coco_records(1000)]
+    print(f"{args.records} records (~{statistics.mean(sizes):.0f} B pickled each); "
+          f"RSS before building any: {before / MIB:.0f} MiB; fork, "
           f"{args.workers} workers, batch {args.batch_size}, "
-          f"{args.samples or args.records} samples per epoch")
+          f"{args.samples or args.records} samples per epoch"
+          f"{', gc.collect() once per worker' if args.gc_collect else ''}")
     table = arms()
     medians: dict[str, list[float]] = {label: [] for label, *_ in table}
     ranges: dict[str, list[int]] = {label: [] for label, *_ in table}
@@ -160,8 +181,11 @@ def main(argv: list[str] | None = None) -> None:
     for rep in range(args.reps):
         shift = rep % len(table)
         for label, cls, use_frozen, freeze in table[shift:] + table[:shift]:
-            result = cow_growth(cls, frozen if use_frozen else plain, args.workers,
-                                batch_size=args.batch_size, gc_freeze=freeze, num_samples=args.samples)
+            data = dataset(use_frozen)
+            result = cow_growth(cls, data, args.workers, batch_size=args.batch_size, gc_freeze=freeze,
+                                num_samples=args.samples)
+            del data
+            gc.collect()
             medians[label].append(statistics.median(result["growth"]))
             ranges[label] += result["growth"]
             print(f"  rep {rep} {label}: growth per worker "
