@@ -241,7 +241,7 @@ def _key_id(key: Any) -> bytes:
 
 
 def _key_hash(key_id: bytes) -> int:
-    return int.from_bytes(hashlib.blake2b(key_id, digest_size=8).digest(), "little")
+    return int.from_bytes(hashlib.blake2b(key_id, digest_size=8).digest(), "little", signed=True)
 
 
 def _check_key(key: Any) -> None:
@@ -268,7 +268,7 @@ class FrozenDict(Mapping):
             raise TypeError(f"FrozenDict takes a dict, got {_type_name(mapping)}")
         for key in mapping:
             _check_key(key)
-        hashes = np.fromiter((_key_hash(_key_id(k)) for k in mapping), np.uint64, len(mapping))
+        hashes = np.fromiter((_key_hash(_key_id(k)) for k in mapping), np.int64, len(mapping))
         order = np.argsort(hashes, kind="stable")
         keys = list(mapping)
         self._init(_Records(*_encode(keys, "the key at position {}".format)),
@@ -279,7 +279,7 @@ class FrozenDict(Mapping):
         if keys.count != values.count or len(hashes) != keys.count or len(order) != keys.count:
             raise ValueError(f"FrozenDict: {keys.count} keys, {values.count} values, {len(hashes)} "
                              f"hashes and {len(order)} positions; they must be as many")
-        hashes, order = hashes.astype(np.uint64, copy=False).view(), order.astype(np.int64, copy=False).view()
+        hashes, order = hashes.astype(np.int64, copy=False).view(), order.astype(np.int64, copy=False).view()
         hashes.flags.writeable = False
         order.flags.writeable = False
         self._keys, self._values, self._hashes, self._order = keys, values, hashes, order
@@ -306,7 +306,7 @@ class FrozenDict(Mapping):
                 raise TypeError(f"unhashable type: {_type_name(key)!r}") from None
             return -1
         key_id = _key_id(key)
-        h = np.uint64(_key_hash(key_id))
+        h = np.int64(_key_hash(key_id))
         start = int(np.searchsorted(self._hashes, h, "left"))
         for slot in range(start, len(self._hashes)):
             if self._hashes[slot] != h:

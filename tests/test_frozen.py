@@ -260,7 +260,7 @@ class Opaque:
     ([[], [Opaque()]], "test_frozen.Opaque", "[1][0]"),
     ([{"m": collections.OrderedDict(a=1)}], "collections.OrderedDict", "[0]['m']"),
     ([(1, len)], "builtin_function_or_method", "[0][1]"),
-    ([{np.int64(3): 1}], "numpy.int64", "[0] (the key np.int64(3))"),
+    ([{np.int64(3): 1}], "numpy.int64", f"[0] (the key {np.int64(3)!r})"),  # numpy 1: "3"
     ([torch.zeros(2)], "torch.Tensor", "[0]"),
     ({"k": {"deep": [Opaque]}}, "type", "['k']['deep'][0]"),
 ])
