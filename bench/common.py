@@ -28,7 +28,7 @@ Writers: `markdown_table`, `write_outputs` (the table to stdout and
 `plot_bars` / `draw_bars` (PNG through matplotlib's Agg backend; they return
 None when matplotlib is not installed).
 
-/proc (`fd_count`, `cpu_ns`, `rss_bytes`, `shm_mapped_bytes`, `processes`,
+/proc (`fd_count`, `cpu_ns`, `rss_bytes`, `uss_bytes`, `shm_mapped_bytes`, `processes`,
 `live_children`, `session_pids`, `pids_running`) and hygiene (`note_workers`,
 `our_shm_names`, `wait_clean`): one reader of the process table for all benches.
 
@@ -574,6 +574,19 @@ def rss_bytes(pid: int | str = "self") -> int:
     """Resident set size of `pid` (/proc/<pid>/statm)."""
     with open(f"/proc/{pid}/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def uss_bytes(pid: int | str = "self") -> int:
+    """Unique set size of `pid`: the memory only it maps (Private_Clean + Private_Dirty
+    of /proc/<pid>/smaps_rollup), what the kernel frees when it exits. Pages a forked
+    child still shares with its parent or siblings are not counted; each page it
+    copies on write is."""
+    total = 0
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            if line.startswith(("Private_Clean:", "Private_Dirty:")):
+                total += int(line.split()[1]) * 1024  # kB
+    return total
 
 
 def shm_mapped_bytes(pid: int | str = "self") -> int:

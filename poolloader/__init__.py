@@ -15,12 +15,13 @@ from poolloader.errors import (
                                WorkerDied,
 )
 from poolloader.loader import PoolLoader
+from poolloader.records import FrozenDict, FrozenList, frozen
 from poolloader.stats import LoaderStats
 
 __all__ = [
     "PoolLoader", "LoaderStats", "slot_collate", "slot_empty",
     "DetectionCollate", "PackedTargets", "pack_targets", "watch_stream",
     "ControlCorrupt", "PoolExhausted", "RingClosed", "RingTimeout", "ShmSpaceError",
-    "SlotCorrupt", "StallWarning", "WorkerDied",
+    "SlotCorrupt", "StallWarning", "WorkerDied", "frozen", "FrozenList", "FrozenDict",
 ]
 __version__ = "0.1.0"
