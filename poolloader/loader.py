@@ -83,7 +83,8 @@ class PoolLoader(DataLoader[T_co]):
                  prefetch_factor=None, persistent_workers=False, pin_memory_device="",
                  in_order=True, slot_bytes=DEFAULT_SLOT_BYTES, slots=None, max_slots=None,
                  shm_limit=None, device=None, shm_backend=None,
-                 stall_warning=DEFAULT_STALL_WARNING_S, stateful=True):
+                 stall_warning=DEFAULT_STALL_WARNING_S, stateful=True,
+                 snapshot_every_n_steps=None):
         super().__init__(
             dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
             batch_sampler=batch_sampler, num_workers=num_workers, collate_fn=collate_fn,
@@ -112,8 +113,14 @@ class PoolLoader(DataLoader[T_co]):
                 "prefetch_factor); raise it, or leave it None")
         if not isinstance(stateful, bool):
             raise ValueError(f"stateful must be True or False, got {stateful!r}")
+        if snapshot_every_n_steps is not None and (
+                isinstance(snapshot_every_n_steps, bool) or not isinstance(snapshot_every_n_steps, int)
+                or snapshot_every_n_steps < 1):
+            raise ValueError(f"snapshot_every_n_steps must be a positive number of steps or None, "
+                             f"got {snapshot_every_n_steps!r}")
         self.shuffle = shuffle
         self.stateful = stateful
+        self.snapshot_every_n_steps = snapshot_every_n_steps
         self.slot_bytes = slot_bytes
         self.slots = slots
         self.max_slots = max_slots

@@ -104,9 +104,33 @@ WORKER_RNG = "_rng_state"               # after the worker's last delivered batc
 WORKER_EPOCH_RNG = "_epoch_rng_state"   # when this epoch's iter(dataset) was made (None: as seeded)
 WORKER_EPOCH_DATASET = "_epoch_dataset_state"
 WORKER_FETCHED = "_batches_fetched"     # fetches this epoch up to the last delivered batch
+SNAPSHOT_RNG = "_snapshot_rng_state"    # after the worker's snapshot batch (None: the same as _rng_state)
+REPLAY = "_replay_indices"              # the worker's fetches after its snapshot, replayed on resume
+EPOCH_SNAPSHOT_RNG = "_epoch_snapshot_rng_state"  # the epoch's start, as the two above:
+EPOCH_REPLAY = "_epoch_replay_indices"            # a snapshot of the previous epoch and its replays
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: a worker's dataset state is its last snapshot's (REPLAY follows it)
 NUM_YIELDED = "_num_yielded"  # StatefulDataLoader's single-process key
+
+# snapshot_every_n_steps=None (PoolLoader's default) resolves per dataset
+# (snapshot_interval): StatefulDataLoader's default, 1 (every batch carries its
+# worker's state), unless the dataset is a torch.nn.Module, whose state_dict() is
+# its parameters and buffers (often MBs, and rarely what changes per fetch). Then
+# a worker's state_dict() travels only with the batches of the num_workers steps
+# before each multiple of MODULE_SNAPSHOT_EVERY_N_STEPS (num_workers / 64 of the
+# batches), and a resume replays at most about 64 / num_workers + 1 batches per
+# worker (in parallel).
+MODULE_SNAPSHOT_EVERY_N_STEPS = 64
+# A record (one reply's resume bytes) above this warns once: it rides in the slot,
+# and main copies it.
+RECORD_WARN_BYTES = 1 << 20
+
+
+def snapshot_interval(every: int | None, dataset) -> int:
+    """PoolLoader(snapshot_every_n_steps=every) for `dataset`: None resolves as above."""
+    if every is not None:
+        return every
+    return MODULE_SNAPSHOT_EVERY_N_STEPS if isinstance(dataset, torch.nn.Module) else 1
 
 
 def worker_key(worker: int) -> str:
@@ -241,15 +265,26 @@ def epoch_rng_drawn(epoch_rng: dict | None, generators, caller_rng: dict | None,
 
 class WorkerProgress:
     """A worker's part: applies its resume record when the worker starts, and
-    captures the record that rides with every reply. Runs in the worker only."""
+    captures the record that rides with every reply. Runs in the worker only.
 
-    def __init__(self, plan: dict | None, dataset, iterable: bool):
+    Every record holds the worker's RNG and its fetch count; a snapshot record
+    also holds its dataset's (and iterator's) `state_dict()`. A reply is a
+    snapshot when its batch's step falls in the `num_workers` steps before a
+    multiple of `snapshot_every` (StatefulDataLoader's rule: under the round
+    robin every worker serves one of them), and always for the worker's first
+    reply of an epoch, an END reply, and when the dataset has no state to take."""
+
+    def __init__(self, plan: dict | None, dataset, iterable: bool, snapshot_every: int = 1,
+                 num_workers: int = 1):
         self.plan = plan
         self.dataset = dataset
         self.iterable = iterable
         self.dataset_stateful = is_stateful(dataset)
         self.iter_stateful = False
         self.fetched = 0  # fetch() calls this epoch
+        self.snapshot_every = snapshot_every
+        self.num_workers = num_workers
+        self.snapshot_due = True  # the next capture is a snapshot
 
     def _track(self, fetcher):
         self.iter_stateful = self.iterable and is_stateful(fetcher.dataset_iter)
@@ -258,19 +293,44 @@ class WorkerProgress:
     def epoch_fetcher(self, new_fetcher):
         """A new epoch (persistent workers): count from zero, build the fetcher."""
         self.fetched = 0
+        self.snapshot_due = True
         return self._track(new_fetcher())
+
+    @staticmethod
+    def _replay(fetcher, indices) -> None:
+        """Fetch and drop: what the saved run fetched after its snapshot."""
+        for index in indices:
+            try:
+                fetcher.fetch(index)
+            except StopIteration:
+                break
+            except Exception:  # it raised the first time too, and was delivered as such
+                pass
 
     def first_fetcher(self, new_fetcher):
         """The fetcher of the worker's first epoch, after seeding and worker_init_fn:
         with a resume record, in StatefulDataLoader's order — dataset state,
-        iter(dataset), iterator state — with the epoch's start RNG before iter()
-        and, last, the RNG after the last delivered batch."""
+        iter(dataset), iterator state — with the epoch's start RNG before iter(),
+        then the fetches since the snapshot replayed from the snapshot's RNG and,
+        last, the RNG after the last delivered batch."""
         plan, self.plan = self.plan, None
+        self.snapshot_due = True
         if plan is None:
             return self._track(new_fetcher())
         dataset_state = plan[DATASET_STATE]
+        replay = plan.get(REPLAY) or []
+        snapshot_rng = plan.get(SNAPSHOT_RNG)
         if dataset_state is not None and self.dataset_stateful:
             self.dataset.load_state_dict(dataset_state)
+        if replay and plan[WORKER_RNG] is None:
+            # nothing delivered this epoch: its start is a snapshot of the previous
+            # epoch and the fetches after it (a map-style fetch needs no iterator; an
+            # IterableDataset's last reply of an epoch it finished is a snapshot)
+            if not self.iterable:
+                if snapshot_rng is not None:
+                    set_rng(snapshot_rng)
+                self._replay(new_fetcher(), replay)
+            replay = []
         if plan[WORKER_EPOCH_RNG] is not None:
             set_rng(plan[WORKER_EPOCH_RNG])
         fetcher = self._track(new_fetcher())
@@ -284,38 +344,64 @@ class WorkerProgress:
             elif dataset_state is not None and self.dataset_stateful:
                 fetcher.ended = bool(fetcher_state.get(FETCHER_ENDED, False))
             else:  # nothing to load: replay this epoch's fetches
-                index = plan["fast_forward_index"]
-                for _ in range(fetched):
-                    try:
-                        fetcher.fetch(index)
-                    except StopIteration:
-                        break
-                    except Exception:  # it raised the first time too, and was delivered as such
-                        pass
+                self._replay(fetcher, [plan["fast_forward_index"]] * fetched)
+                replay = []
+        if replay:
+            if snapshot_rng is not None:
+                set_rng(snapshot_rng)
+            self._replay(fetcher, replay)
         self.fetched = fetched
         if plan[WORKER_RNG] is not None:
             set_rng(plan[WORKER_RNG])
         return fetcher
 
-    def capture(self, fetcher) -> bytes:
-        """The record of this reply: RNG now, dataset/iterator state, fetches, ended."""
+    def snapshot_at(self, seq: int) -> bool:
+        """Whether the batch of step `seq` (its send index in the epoch) carries a
+        snapshot: StatefulDataLoader's rule, ((step - 1) % n) + num_workers >= n."""
+        n = self.snapshot_every
+        return seq % n + self.num_workers >= n
+
+    def capture(self, fetcher, seq: int = 0) -> bytes:
+        """The record of this reply (see class): one flag byte (SNAPSHOT_RECORD or
+        not), then the pickled RNG, dataset/iterator state, fetches and ended."""
         dataset_state = iter_state = None
         ended = False
+        takes_dataset = takes_iter = False
         if fetcher is not None:
-            if self.dataset_stateful and not (self.iterable and fetcher.dataset_iter is self.dataset):
-                dataset_state = self.dataset.state_dict()
+            takes_dataset = self.dataset_stateful and not (
+                self.iterable and fetcher.dataset_iter is self.dataset)
             if self.iterable:
-                if self.iter_stateful:
-                    iter_state = fetcher.dataset_iter.state_dict()
+                takes_iter = self.iter_stateful
                 ended = fetcher.ended
-        return pickle.dumps((capture_rng(), dataset_state, iter_state, self.fetched, ended),
-                            protocol=pickle.HIGHEST_PROTOCOL)
+        snapshot = (not (takes_dataset or takes_iter) or self.snapshot_due or ended
+                    or self.snapshot_at(seq))
+        self.snapshot_due = True  # until this capture succeeds
+        if snapshot:
+            if takes_dataset:
+                dataset_state = self.dataset.state_dict()
+            if takes_iter:
+                iter_state = fetcher.dataset_iter.state_dict()
+        record = pickle.dumps((capture_rng(), dataset_state, iter_state, self.fetched, ended),
+                              protocol=pickle.HIGHEST_PROTOCOL)
+        self.snapshot_due = False
+        return (SNAPSHOT_RECORD if snapshot else STEP_RECORD) + record
+
+
+# A record's first byte: whether it is a snapshot (dataset and iterator state at
+# that batch) or a step (RNG and fetch count only; main keeps the batch's index).
+SNAPSHOT_RECORD, STEP_RECORD = b"S", b"R"
+
+
+def is_snapshot(entry) -> bool:
+    """Main: whether a reply's record bytes are a snapshot (O(1), nothing decoded)."""
+    return entry[:1] == SNAPSHOT_RECORD
 
 
 def decode_record(entry) -> tuple | None:
     """(plain rng or None, dataset state, iterator state, fetched, ended) of a reply's
-    record bytes; a tuple (carried over from a loaded state) is already one."""
+    record bytes (a step record has no states); a tuple (carried over from a loaded
+    state) is already one."""
     if entry is None or isinstance(entry, tuple):
         return entry
-    fast, dataset_state, iter_state, fetched, ended = pickle.loads(entry)
+    fast, dataset_state, iter_state, fetched, ended = pickle.loads(memoryview(entry)[1:])
     return plain_rng(fast), dataset_state, iter_state, fetched, ended
