@@ -63,11 +63,21 @@ class PoolLoader(DataLoader[T_co]):
                   "DataLoader timed out after N seconds" carries the same report on
                   the lines after that first one.
       stateful    True (default): every batch carries its worker's resume record
-                  (random state, dataset state: ~40 µs in the worker and ~10 KB
-                  main copies), so `state_dict()` is exact at any step. False:
-                  nothing is captured (DataLoader's cost) and `state_dict()`
-                  returns {} (a warning says so): an epoch restarts, as with
-                  DataLoader.
+                  (random state and fetch count: ~40 µs in the worker and ~10 KB
+                  main copies; the dataset's state_dict() on snapshot batches),
+                  so `state_dict()` is exact at any step. False: nothing is
+                  captured (DataLoader's cost) and `state_dict()` returns {} (a
+                  warning says so): an epoch restarts, as with DataLoader.
+      snapshot_every_n_steps  StatefulDataLoader's option: a worker's dataset
+                  (and IterableDataset iterator) state_dict() rides with the
+                  batches of the num_workers steps before each multiple of it;
+                  `state_dict()` holds each worker's last snapshot and the
+                  indices it fetched since, which a resume replays (fetch and
+                  drop: up to about n / num_workers batches per worker, in
+                  parallel), so resume stays exact. None (default): 1, every
+                  batch (no replay), or 256 when the dataset is a
+                  torch.nn.Module, whose state_dict() is its parameters and
+                  buffers. A record over 1 MiB warns once.
     Nothing is created until the loader is iterated. `stats` holds counters;
     `stats.advice()` reads them: which side is the bottleneck, what to change.
 

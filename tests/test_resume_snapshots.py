@@ -81,18 +81,18 @@ CASES = [(dataset, persistent, every)
 
 @pytest.mark.parametrize("dataset,persistent,every", CASES)
 def test_resume_mid_epoch_with_snapshots_is_exact(dataset, persistent, every):
-    """Saved after step 5 of the second epoch (after a whole first one, so a persistent
+    """Saved after step 6 of the second epoch (after a whole first one, so a persistent
     worker's epoch starts where its first epoch's snapshot and replays left it),
     resumed in a new loader: the rest of that epoch and the next are the same bytes."""
     _reseed()
-    reference, state = _run(_loader(dataset, persistent, every), 3, save_at=(1, 5))
+    reference, state = _run(_loader(dataset, persistent, every), 3, save_at=(1, 6))
     per_epoch = len(reference) // 3
     assert state is not None and per_epoch > 6
     _reseed(99)  # the resumed run's process draws differently: the state must carry it all
     resumed = _loader(dataset, persistent, every)
     resumed.load_state_dict(state)
     got, _ = _run(resumed, 2)
-    assert got == reference[per_epoch + 6:]
+    assert got == reference[per_epoch + 7:]
 
 
 @pytest.mark.parametrize("dataset", ["map", "stream"])
@@ -122,8 +122,8 @@ def test_uninterrupted_run_with_snapshots_matches_dataloader(dataset):
 
 def test_snapshots_fall_at_statefuldataloaders_steps_and_the_rest_is_replayed():
     """With snapshot_every_n_steps=8 and 2 workers, a worker takes its dataset's
-    state_dict() on its first batch and on those of the 2 steps before each multiple
-    of 8 (steps 6, 7, 14, 15, ...); the state holds the last one and the indices since."""
+    state_dict() with the batches of the 2 steps before each multiple of 8 (steps 6,
+    7, 14, 15, ...); the state holds the last one and the indices since."""
     loader = PoolLoader(CallCounter(40), batch_size=1, num_workers=2, snapshot_every_n_steps=8,
                         timeout=TIMEOUT_S)
     it = iter(loader)
@@ -131,17 +131,17 @@ def test_snapshots_fall_at_statefuldataloaders_steps_and_the_rest_is_replayed():
         next(it)
     workers = loader.state_dict()[keys.SNAPSHOT][keys.WORKER_SNAPSHOTS]
     w0, w1 = workers["worker_0"], workers["worker_1"]
-    assert w0[keys.DATASET_STATE] == {"calls": 2}  # steps 0 and 6
+    assert w0[keys.DATASET_STATE] == {"calls": 1}  # step 6
     assert w0[keys.REPLAY] == [[8], [10]]
-    assert w1[keys.DATASET_STATE] == {"calls": 2}  # steps 1 and 7
+    assert w1[keys.DATASET_STATE] == {"calls": 1}  # step 7
     assert w1[keys.REPLAY] == [[9], [11]]
     assert w0[keys.WORKER_FETCHED] == w1[keys.WORKER_FETCHED] == 6
     for _ in range(28):  # to step 39: snapshots at 14, 15, 22, 23, 30, 31, 38, 39
         next(it)
     workers = loader.state_dict()[keys.SNAPSHOT][keys.WORKER_SNAPSHOTS]
-    assert workers["worker_0"][keys.DATASET_STATE] == {"calls": 6}
+    assert workers["worker_0"][keys.DATASET_STATE] == {"calls": 5}
     assert workers["worker_0"][keys.REPLAY] == []
-    assert workers["worker_1"][keys.DATASET_STATE] == {"calls": 6}
+    assert workers["worker_1"][keys.DATASET_STATE] == {"calls": 5}
     assert workers["worker_1"][keys.REPLAY] == []
     with pytest.raises(StopIteration):
         next(it)
@@ -149,7 +149,8 @@ def test_snapshots_fall_at_statefuldataloaders_steps_and_the_rest_is_replayed():
 
 def test_default_snapshots_every_batch_unless_the_dataset_is_a_module():
     """snapshot_every_n_steps=None: every batch (StatefulDataLoader's 1) for a plain
-    dataset; every 64 steps for an nn.Module, whose state_dict() is its tensors."""
+    dataset; every 256 steps for an nn.Module, whose state_dict() is its tensors
+    (before its first snapshot a worker's state is its fetches since it was seeded)."""
     plain = PoolLoader(CallCounter(12), batch_size=1, num_workers=2, timeout=TIMEOUT_S)
     it = iter(plain)
     for _ in range(10):
@@ -163,8 +164,8 @@ def test_default_snapshots_every_batch_unless_the_dataset_is_a_module():
     for _ in range(10):
         next(it)
     w0 = module.state_dict()[keys.SNAPSHOT][keys.WORKER_SNAPSHOTS]["worker_0"]
-    assert int(w0[keys.DATASET_STATE]["served"]) == 1  # its first batch's snapshot
-    assert len(w0[keys.REPLAY]) == 4
+    assert w0[keys.DATASET_STATE] is None and w0[keys.SNAPSHOT_RNG] is None
+    assert len(w0[keys.REPLAY]) == 5
     del it
 
 

@@ -86,17 +86,17 @@ class IteratorSetup(NamedTuple):
 
 class Position(NamedTuple):
     """Where a worker stands, as main keeps it: its last snapshot record, the indices
-    of its fetches after it (the first `count` of `replays`: later positions of the
+    of its fetches after it (the first `kept` of `replays`: later positions of the
     same worker share the list and append to it), and its newest record. A record is
     reply bytes (keys.WorkerProgress.capture) or a decoded tuple from a loaded state;
     `snapshot` None: the worker as seeded."""
     snapshot: bytes | tuple | None
     replays: list
-    count: int
+    kept: int
     last: bytes | tuple | None
 
     def indices(self) -> list:
-        return self.replays[:self.count]
+        return self.replays[:self.kept]
 
 
 # Loaders already warned of a large resume record (one warning per loader).
@@ -297,13 +297,13 @@ class ResumeTracker:
             self._warn_large(blob)
         if is_snapshot(blob):
             return Position(blob, [], 0, blob)
-        if position is None:  # as seeded (a worker's first record is a snapshot)
+        if position is None:  # no snapshot yet: replayed from the worker as seeded
             position = Position(None, [], 0, None)
         replays = position.replays
-        if len(replays) != position.count:  # another Position extends this list
-            replays = replays[:position.count]
+        if len(replays) != position.kept:  # another Position extends this list
+            replays = replays[:position.kept]
         replays.append(index)
-        return Position(position.snapshot, replays, position.count + 1, blob)
+        return Position(position.snapshot, replays, position.kept + 1, blob)
 
     def _warn_large(self, blob: bytes) -> None:
         loader = self.loader()
