@@ -261,10 +261,11 @@ class ResumeTracker:
         if not self.handing:
             return
         worker, seq, blob, error = self.handing.popleft()
+        index = self.sent.pop(seq, None)
         if blob is not None:  # None: its capture raised, and the caller got that error
             before = self.delivered[worker]
             position = self._advance(before if before is not None else self.epoch_blob[worker],
-                                     seq, blob)
+                                     index, blob)
             self.delivered[worker] = position
             if seq > self.latest[worker][0]:
                 self.latest[worker] = (seq, position)
@@ -287,12 +288,12 @@ class ResumeTracker:
     def seen(self, worker: int, seq: int, blob) -> None:
         """A reply of `worker` that is not delivered (an END, one reclaimed at an
         epoch's end)."""
-        if blob is not None and seq > self.latest[worker][0]:
-            self.latest[worker] = (seq, self._advance(self.latest[worker][1], seq, blob))
-
-    def _advance(self, position: Position | None, seq: int, blob: bytes) -> Position:
-        """The worker's Position after its reply `seq` with record `blob`."""
         index = self.sent.pop(seq, None)
+        if blob is not None and seq > self.latest[worker][0]:
+            self.latest[worker] = (seq, self._advance(self.latest[worker][1], index, blob))
+
+    def _advance(self, position: Position | None, index, blob: bytes) -> Position:
+        """The worker's Position after its reply to `index` with record `blob`."""
         if len(blob) > RECORD_WARN_BYTES:
             self._warn_large(blob)
         if is_snapshot(blob):
