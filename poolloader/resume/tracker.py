@@ -99,8 +99,15 @@ class Position(NamedTuple):
         return self.replays[:self.kept]
 
 
-# Loaders already warned of a large resume record (one warning per loader).
-_warned_large: weakref.WeakSet = weakref.WeakSet()
+class _Once:
+    """A flag one loader's trackers share (plain data: a tracker stays picklable)."""
+
+    def __init__(self):
+        self.done = False
+
+
+# loader -> whether it warned of a large resume record (one warning per loader)
+_large_record_warned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class Resumed(NamedTuple):
@@ -135,7 +142,8 @@ class ResumeTracker:
         self.shared_seed = it.shared_seed
         self.len_called = it.len_called
         self.plan = plan
-        self.loader = weakref.ref(loader)
+        self.dataset_name = type(loader.dataset).__name__
+        self.large_record_warned = _large_record_warned.setdefault(loader, _Once())
         # PoolLoader(snapshot_every_n_steps=), resolved for the dataset (the workers' rule)
         self.snapshot_every = snapshot_interval(getattr(loader, "snapshot_every_n_steps", None),
                                                 loader.dataset)
@@ -307,13 +315,12 @@ class ResumeTracker:
         return Position(position.snapshot, replays, position.kept + 1, blob)
 
     def _warn_large(self, blob: bytes) -> None:
-        loader = self.loader()
-        if loader is None or loader in _warned_large:
+        if self.large_record_warned.done:
             return
-        _warned_large.add(loader)
+        self.large_record_warned.done = True
         every = self.snapshot_every
         warn(
-            f"PoolLoader resume: a worker's resume record for {type(loader.dataset).__name__} is "
+            f"PoolLoader resume: a worker's resume record for {self.dataset_name} is "
             f"{len(blob)} bytes, over the {RECORD_WARN_BYTES} bytes (1 MiB) a record should stay "
             "under: the dataset's (or its iterator's) state_dict() is pickled into the batch's "
             "slot and copied by the main process on every snapshot, and the slots grow to hold "
