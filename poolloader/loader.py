@@ -63,11 +63,21 @@ class PoolLoader(DataLoader[T_co]):
                   "DataLoader timed out after N seconds" carries the same report on
                   the lines after that first one.
       stateful    True (default): every batch carries its worker's resume record
-                  (random state, dataset state: ~40 µs in the worker and ~10 KB
-                  main copies), so `state_dict()` is exact at any step. False:
-                  nothing is captured (DataLoader's cost) and `state_dict()`
-                  returns {} (a warning says so): an epoch restarts, as with
-                  DataLoader.
+                  (random state and fetch count: ~40 µs in the worker and ~10 KB
+                  main copies; the dataset's state_dict() on snapshot batches),
+                  so `state_dict()` is exact at any step. False: nothing is
+                  captured (DataLoader's cost) and `state_dict()` returns {} (a
+                  warning says so): an epoch restarts, as with DataLoader.
+      snapshot_every_n_steps  StatefulDataLoader's option: a worker's dataset
+                  (and IterableDataset iterator) state_dict() rides with the
+                  batches of the num_workers steps before each multiple of it;
+                  `state_dict()` holds each worker's last snapshot and the
+                  indices it fetched since, which a resume replays (fetch and
+                  drop: up to about n / num_workers batches per worker, in
+                  parallel), so resume stays exact. None (default): 1, every
+                  batch (no replay), or 256 when the dataset is a
+                  torch.nn.Module, whose state_dict() is its parameters and
+                  buffers. A record over 1 MiB warns once.
     Nothing is created until the loader is iterated. `stats` holds counters;
     `stats.advice()` reads them: which side is the bottleneck, what to change.
 
@@ -83,7 +93,8 @@ class PoolLoader(DataLoader[T_co]):
                  prefetch_factor=None, persistent_workers=False, pin_memory_device="",
                  in_order=True, slot_bytes=DEFAULT_SLOT_BYTES, slots=None, max_slots=None,
                  shm_limit=None, device=None, shm_backend=None,
-                 stall_warning=DEFAULT_STALL_WARNING_S, stateful=True):
+                 stall_warning=DEFAULT_STALL_WARNING_S, stateful=True,
+                 snapshot_every_n_steps=None):
         super().__init__(
             dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
             batch_sampler=batch_sampler, num_workers=num_workers, collate_fn=collate_fn,
@@ -112,8 +123,14 @@ class PoolLoader(DataLoader[T_co]):
                 "prefetch_factor); raise it, or leave it None")
         if not isinstance(stateful, bool):
             raise ValueError(f"stateful must be True or False, got {stateful!r}")
+        if snapshot_every_n_steps is not None and (
+                isinstance(snapshot_every_n_steps, bool) or not isinstance(snapshot_every_n_steps, int)
+                or snapshot_every_n_steps < 1):
+            raise ValueError(f"snapshot_every_n_steps must be a positive number of steps or None, "
+                             f"got {snapshot_every_n_steps!r}")
         self.shuffle = shuffle
         self.stateful = stateful
+        self.snapshot_every_n_steps = snapshot_every_n_steps
         self.slot_bytes = slot_bytes
         self.slots = slots
         self.max_slots = max_slots

@@ -150,7 +150,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                     init_fn=None if shared else init_fn, worker_id=i, num_workers=n,
                     pool=self._pool.locator, resume=self._resume.worker_plan(i),
                     shared=shared.ticket if shared else None, shared_seed=self._shared_seed,
-                    capture=loader.stateful)
+                    capture=loader.stateful, snapshot_every=self._resume.snapshot_every)
                 self._workers.append(start_without_pipes(ctx, worker_loop, (cfg,)))
             supervise.track(self)
             self._stats.attach_pool(self._pool, self._ledger, self._workers)

@@ -12,6 +12,7 @@ them on itself.
 from __future__ import annotations
 
 import collections
+import weakref
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -23,6 +24,8 @@ from poolloader.resume.keys import (
     BASE_SEED,
     DATASET_ITER_STATE,
     DATASET_STATE,
+    EPOCH_REPLAY,
+    EPOCH_SNAPSHOT_RNG,
     FETCHER_ENDED,
     FETCHER_STATE,
     FORMAT,
@@ -37,10 +40,13 @@ from poolloader.resume.keys import (
     NUM_WORKERS,
     NUM_YIELDED,
     PENDING,
+    RECORD_WARN_BYTES,
+    REPLAY,
     SAMPLER_ITER_STATE,
     SAMPLER_ITER_YIELDED,
     SHARED_SEED,
     SNAPSHOT,
+    SNAPSHOT_RNG,
     SNAPSHOT_STEP,
     STEPS_SINCE_SNAPSHOT,
     WORKER_EPOCH_DATASET,
@@ -52,6 +58,7 @@ from poolloader.resume.keys import (
     capture_rng,
     decode_record,
     epoch_rng_drawn,
+    is_snapshot,
     is_stateful,
     main_rng,
     plain_rng,
@@ -59,6 +66,7 @@ from poolloader.resume.keys import (
     rng_for_worker,
     sampler_generators,
     set_generators,
+    snapshot_interval,
     worker_key,
 )
 
@@ -74,6 +82,32 @@ class IteratorSetup(NamedTuple):
     index_sampler: object        # the batch sampler (or sampler) the epoch draws from
     shared_seed: int | None      # DataLoader's _shared_seed (IterDataPipe shuffles)
     len_called: int | None       # DataLoader's _IterableDataset_len_called
+
+
+class Position(NamedTuple):
+    """Where a worker stands, as main keeps it: its last snapshot record, the indices
+    of its fetches after it (the first `kept` of `replays`: later positions of the
+    same worker share the list and append to it), and its newest record. A record is
+    reply bytes (keys.WorkerProgress.capture) or a decoded tuple from a loaded state;
+    `snapshot` None: the worker as seeded."""
+    snapshot: bytes | tuple | None
+    replays: list
+    kept: int
+    last: bytes | tuple | None
+
+    def indices(self) -> list:
+        return self.replays[:self.kept]
+
+
+class _Once:
+    """A flag one loader's trackers share (plain data: a tracker stays picklable)."""
+
+    def __init__(self):
+        self.done = False
+
+
+# loader -> whether it warned of a large resume record (one warning per loader)
+_large_record_warned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class Resumed(NamedTuple):
@@ -108,6 +142,11 @@ class ResumeTracker:
         self.shared_seed = it.shared_seed
         self.len_called = it.len_called
         self.plan = plan
+        self.dataset_name = type(loader.dataset).__name__
+        self.large_record_warned = _large_record_warned.setdefault(loader, _Once())
+        # PoolLoader(snapshot_every_n_steps=), resolved for the dataset (the workers' rule)
+        self.snapshot_every = snapshot_interval(getattr(loader, "snapshot_every_n_steps", None),
+                                                loader.dataset)
         self.fast_forward_index = next(iter(it.index_sampler)) if self.iterable else None  # type: ignore[call-overload]
         self.epoch_blob: list = [None] * n   # each worker's record at this epoch's start
         self._decoded: dict = {}  # worker -> (record, epoch record, snapshot): state_dict()'s cache
@@ -127,8 +166,9 @@ class ResumeTracker:
 
     def _new_epoch_counters(self) -> None:
         n = self.num_workers
-        self.delivered: list = [None] * n    # record after each worker's last delivered batch
-        self.latest: list = [(-1, b) for b in self.epoch_blob]  # (seq, record) of its newest reply
+        self.delivered: list = [None] * n    # Position after each worker's last delivered batch
+        self.latest: list = [(-1, b) for b in self.epoch_blob]  # (seq, Position) of its newest reply
+        self.sent: dict = {}     # seq -> index, sent and not yet recorded (replays after a snapshot)
         # (worker, seq, record, error): taken from a worker, not yet handed to the caller
         self.handing: collections.deque[tuple[int, int, bytes | None, bool]] = collections.deque()
         self.position = 0        # sampler items consumed by the batches handed over (in order)
@@ -217,6 +257,7 @@ class ResumeTracker:
                     snapshots.popleft()
         if not self.in_order:
             self.pending[seq] = index
+        self.sent[seq] = index
         return index
 
     def received(self, worker: int, seq: int, blob: bytes | None, error: bool) -> None:
@@ -228,9 +269,14 @@ class ResumeTracker:
         if not self.handing:
             return
         worker, seq, blob, error = self.handing.popleft()
+        index = self.sent.pop(seq, None)
         if blob is not None:  # None: its capture raised, and the caller got that error
-            self.delivered[worker] = blob
-            self.seen(worker, seq, blob)
+            before = self.delivered[worker]
+            position = self._advance(before if before is not None else self.epoch_blob[worker],
+                                     index, blob)
+            self.delivered[worker] = position
+            if seq > self.latest[worker][0]:
+                self.latest[worker] = (seq, position)
         self.last_worker = worker
         self.position += 1
         if not error:
@@ -248,9 +294,39 @@ class ResumeTracker:
             self.handing.clear()
 
     def seen(self, worker: int, seq: int, blob) -> None:
-        """Any reply of `worker` (an END, one reclaimed at an epoch's end)."""
+        """A reply of `worker` that is not delivered (an END, one reclaimed at an
+        epoch's end)."""
+        index = self.sent.pop(seq, None)
         if blob is not None and seq > self.latest[worker][0]:
-            self.latest[worker] = (seq, blob)
+            self.latest[worker] = (seq, self._advance(self.latest[worker][1], index, blob))
+
+    def _advance(self, position: Position | None, index, blob: bytes) -> Position:
+        """The worker's Position after its reply to `index` with record `blob`."""
+        if len(blob) > RECORD_WARN_BYTES:
+            self._warn_large(blob)
+        if is_snapshot(blob):
+            return Position(blob, [], 0, blob)
+        if position is None:  # no snapshot yet: replayed from the worker as seeded
+            position = Position(None, [], 0, None)
+        replays = position.replays
+        if len(replays) != position.kept:  # another Position extends this list
+            replays = replays[:position.kept]
+        replays.append(index)
+        return Position(position.snapshot, replays, position.kept + 1, blob)
+
+    def _warn_large(self, blob: bytes) -> None:
+        if self.large_record_warned.done:
+            return
+        self.large_record_warned.done = True
+        every = self.snapshot_every
+        warn(
+            f"PoolLoader resume: a worker's resume record for {self.dataset_name} is "
+            f"{len(blob)} bytes, over the {RECORD_WARN_BYTES} bytes (1 MiB) a record should stay "
+            "under: the dataset's (or its iterator's) state_dict() is pickled into the batch's "
+            "slot and copied by the main process on every snapshot, and the slots grow to hold "
+            f"it. Pass a larger snapshot_every_n_steps= (now {every}; a resume then replays "
+            "more batches) or stateful=False if you do not resume mid-epoch; or keep large "
+            "tensors (an nn.Module's parameters and buffers) out of the dataset's state_dict().")
 
     def finish(self) -> None:
         self.finished = True
@@ -307,22 +383,47 @@ class ResumeTracker:
             cached = (delivered, epoch_start, self._decode_worker(worker, delivered, epoch_start))
             self._decoded[worker] = cached
         snapshot = dict(cached[2])  # the caller's to change
+        snapshot[REPLAY], snapshot[EPOCH_REPLAY] = list(snapshot[REPLAY]), list(snapshot[EPOCH_REPLAY])
         if snapshot[FETCHER_STATE] is not None:
             snapshot[FETCHER_STATE] = dict(snapshot[FETCHER_STATE])
         return snapshot
 
     def _decode_worker(self, worker: int, delivered, epoch_start) -> dict:
-        post, start = decode_record(delivered), decode_record(epoch_start)
-        start_rng, start_dataset = (start[0], start[1]) if start else (None, None)
-        snapshot = {WORKER_ID: worker, WORKER_EPOCH_RNG: start_rng, WORKER_EPOCH_DATASET: start_dataset}
-        if post is None:
+        post, start = _decode_position(delivered), _decode_position(epoch_start)
+        start_rng = start_dataset = start_snapshot_rng = None
+        start_replay: list = []
+        if start is not None:
+            base, start_replay, last = start
+            start_rng = last[0] if last else None
+            if base is not None:
+                start_dataset = base[1]
+                start_snapshot_rng = base[0] if start_replay else None
+        snapshot = {WORKER_ID: worker, WORKER_EPOCH_RNG: start_rng, WORKER_EPOCH_DATASET: start_dataset,
+                    EPOCH_SNAPSHOT_RNG: start_snapshot_rng, EPOCH_REPLAY: start_replay}
+        if post is None:  # nothing delivered this epoch: where it started
             rng, dataset_state, iter_state, fetched, ended = None, start_dataset, None, 0, False
+            snapshot_rng, replay = start_snapshot_rng, start_replay
         else:
-            rng, dataset_state, iter_state, fetched, ended = post
+            base, replay, last = post
+            rng, fetched, ended = last[0], last[3], last[4]
+            dataset_state = iter_state = snapshot_rng = None
+            if base is not None:
+                dataset_state, iter_state = base[1], base[2]
+                snapshot_rng = base[0] if replay else None
         snapshot.update({DATASET_STATE: dataset_state, WORKER_RNG: rng, WORKER_FETCHED: fetched,
+                         SNAPSHOT_RNG: snapshot_rng, REPLAY: replay,
                          FETCHER_STATE: ({DATASET_ITER_STATE: iter_state, FETCHER_ENDED: ended}
                                          if self.iterable else None)})
         return snapshot
+
+
+def _decode_position(position: Position | None) -> tuple | None:
+    """(snapshot record, replayed indices, newest record) of a Position, decoded."""
+    if position is None:
+        return None
+    base = decode_record(position.snapshot)
+    last = base if position.last is position.snapshot else decode_record(position.last)
+    return base, position.indices(), last
 
 
 class ResumePlan:
@@ -394,17 +495,23 @@ class ResumePlan:
         return self.workers.get(worker_key(worker)) or {WORKER_ID: worker}
 
     def records(self, worker: int) -> tuple:
-        """(after its last delivered batch, at the epoch's start) as tracker records."""
+        """(after its last delivered batch, at the epoch's start) as tracker Positions."""
         s = self.worker_snapshot(worker)
         fetcher_state = s.get(FETCHER_STATE) or {}
-        post: tuple | None = (
-            s.get(WORKER_RNG), s.get(DATASET_STATE), fetcher_state.get(DATASET_ITER_STATE),
-            int(s.get(WORKER_FETCHED, 0) or 0), bool(fetcher_state.get(FETCHER_ENDED, False)))
-        if post is not None and post[0] is None and post[1] is None and post[2] is None and not post[3]:
-            post = None
+        rng, dataset_state = s.get(WORKER_RNG), s.get(DATASET_STATE)
+        iter_state = fetcher_state.get(DATASET_ITER_STATE)
+        fetched = int(s.get(WORKER_FETCHED, 0) or 0)
+        ended = bool(fetcher_state.get(FETCHER_ENDED, False))
+        replay = list(s.get(REPLAY) or [])
+        post = None
+        if not (rng is None and (replay or (dataset_state is None and iter_state is None
+                                            and not fetched))):
+            post = _loaded_position((rng, dataset_state, iter_state, fetched, ended),
+                                    s.get(SNAPSHOT_RNG), replay)
         start = None
         if s.get(WORKER_EPOCH_RNG) is not None or s.get(WORKER_EPOCH_DATASET) is not None:
-            start = (s.get(WORKER_EPOCH_RNG), s.get(WORKER_EPOCH_DATASET), None, 0, False)
+            start = _loaded_position((s.get(WORKER_EPOCH_RNG), s.get(WORKER_EPOCH_DATASET), None, 0, False),
+                                     s.get(EPOCH_SNAPSHOT_RNG), list(s.get(EPOCH_REPLAY) or []))
         return post, start
 
     def worker(self, worker: int) -> dict | None:
@@ -416,12 +523,25 @@ class ResumePlan:
             # a persistent worker starts the next epoch where its last reply left it
             rng, dataset_state = s.get(WORKER_EPOCH_RNG), s.get(WORKER_EPOCH_DATASET)
             return {DATASET_STATE: dataset_state, WORKER_EPOCH_RNG: rng_for_worker(rng),
-                    WORKER_RNG: None, WORKER_FETCHED: 0, FETCHER_STATE: None}
+                    WORKER_RNG: None, WORKER_FETCHED: 0, FETCHER_STATE: None,
+                    SNAPSHOT_RNG: rng_for_worker(s.get(EPOCH_SNAPSHOT_RNG)),
+                    REPLAY: list(s.get(EPOCH_REPLAY) or [])}
         return {DATASET_STATE: s.get(DATASET_STATE),
                 WORKER_EPOCH_RNG: rng_for_worker(s.get(WORKER_EPOCH_RNG)),
                 WORKER_RNG: rng_for_worker(s.get(WORKER_RNG)),
                 WORKER_FETCHED: int(s.get(WORKER_FETCHED, 0) or 0),
-                FETCHER_STATE: s.get(FETCHER_STATE)}
+                FETCHER_STATE: s.get(FETCHER_STATE),
+                SNAPSHOT_RNG: rng_for_worker(s.get(SNAPSHOT_RNG)),
+                REPLAY: list(s.get(REPLAY) or [])}
+
+
+def _loaded_position(last: tuple, snapshot_rng, replay: list) -> Position:
+    """A Position from a loaded state: `last` (rng, dataset state, iterator state,
+    fetched, ended), whose states are its snapshot's when `replay` follows it."""
+    if not replay:
+        return Position(last, [], 0, last)
+    snapshot = (snapshot_rng, last[1], last[2], 0, last[4])
+    return Position(snapshot, replay, len(replay), (last[0], None, None, last[3], last[4]))
 
 
 def continues_epoch(plan) -> bool:

@@ -191,6 +191,11 @@ def request_epoch(header: np.ndarray) -> int:
     return int(header[F_EPOCH])
 
 
+def request_seq(header: np.ndarray) -> int:
+    """Worker: the request's send index in its epoch (its step: resume snapshots)."""
+    return int(header[F_SEQ])
+
+
 def request_shared_seed(header: np.ndarray) -> int:
     """Worker: the shared seed of the request's epoch (see write_request)."""
     return int(header[F_SHARED_SEED])

@@ -53,6 +53,7 @@ class WorkerConfig:
     shared: tuple | None = None
     shared_seed: int | None = None  # DataLoader's _shared_seed (IterDataPipe shuffles)
     capture: bool = True  # PoolLoader(stateful=): each reply carries its resume record
+    snapshot_every: int = 1  # PoolLoader(snapshot_every_n_steps=): see resume.keys.WorkerProgress
 
 
 def _parent_alive(slots: WorkerSlots) -> bool:
@@ -121,8 +122,8 @@ def worker_loop(cfg: WorkerConfig) -> None:
 
         init_exception = None
         fetcher = None
-        progress = WorkerProgress(cfg.resume, dataset,
-                                         cfg.dataset_kind == _DatasetKind.Iterable)
+        progress = WorkerProgress(cfg.resume, dataset, cfg.dataset_kind == _DatasetKind.Iterable,
+                                  cfg.snapshot_every, cfg.num_workers)
         try:
             if cfg.init_fn is not None:
                 cfg.init_fn(cfg.worker_id)
@@ -200,7 +201,7 @@ def worker_loop(cfg: WorkerConfig) -> None:
                     finally:
                         filling.set_writer(None)
                 try:
-                    state = progress.capture(fetcher) if cfg.capture else b""
+                    state = progress.capture(fetcher, fmt.request_seq(header)) if cfg.capture else b""
                 except Exception:  # e.g. the dataset's state_dict(): reported like a fetch error
                     payload = ExceptionWrapper(where=f"in DataLoader worker process {cfg.worker_id}")
                     status, state = fmt.ST_ERROR, b""
