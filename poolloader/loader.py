@@ -68,6 +68,17 @@ class PoolLoader(DataLoader[T_co]):
                   nothing is captured (DataLoader's cost) and `state_dict()`
                   returns {} (a warning says so): an epoch restarts, as with
                   DataLoader.
+      node_workers  None (default): one process per worker, as DataLoader. P (1 to
+                  num_workers): P processes host the num_workers logical workers
+                  (worker i in process i % P), and the batches are still
+                  bit-identical to DataLoader(num_workers=...)'s: each logical
+                  worker keeps its own seed and RNG states, get_worker_info(),
+                  copy of the dataset (what worker_init_fn made of it), iterator
+                  and resume state; a process serves its logical workers in turn.
+                  Fewer processes, so at most P batches are produced at once.
+                  Under fork the dataset is deep-copied once per extra logical
+                  worker in its process (an error says so if it cannot be).
+                  `worker_pids` lists the P processes.
     Nothing is created until the loader is iterated. `stats` holds counters;
     `stats.advice()` reads them: which side is the bottleneck, what to change.
 
@@ -83,7 +94,7 @@ class PoolLoader(DataLoader[T_co]):
                  prefetch_factor=None, persistent_workers=False, pin_memory_device="",
                  in_order=True, slot_bytes=DEFAULT_SLOT_BYTES, slots=None, max_slots=None,
                  shm_limit=None, device=None, shm_backend=None,
-                 stall_warning=DEFAULT_STALL_WARNING_S, stateful=True):
+                 stall_warning=DEFAULT_STALL_WARNING_S, stateful=True, node_workers=None):
         super().__init__(
             dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
             batch_sampler=batch_sampler, num_workers=num_workers, collate_fn=collate_fn,
@@ -112,6 +123,16 @@ class PoolLoader(DataLoader[T_co]):
                 "prefetch_factor); raise it, or leave it None")
         if not isinstance(stateful, bool):
             raise ValueError(f"stateful must be True or False, got {stateful!r}")
+        if node_workers is not None and (isinstance(node_workers, bool)
+                                         or not isinstance(node_workers, int)
+                                         or not 1 <= node_workers <= self.num_workers):
+            raise ValueError(
+                f"node_workers={node_workers!r}: the number of processes hosting the "
+                f"num_workers={self.num_workers} workers must be an int from 1 to "
+                f"num_workers ({self.num_workers}), or None (one process per worker)"
+                + ("; with num_workers=0 no worker process runs at all: leave node_workers "
+                   "None" if self.num_workers == 0 else ""))
+        self.node_workers = node_workers
         self.shuffle = shuffle
         self.stateful = stateful
         self.slot_bytes = slot_bytes
