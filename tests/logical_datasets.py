@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import numpy as np
 import torch
@@ -20,8 +21,10 @@ def augment_init(worker_id):
 
 
 class InitAugmentDataset(Dataset):
-    def __init__(self, n=29):
+    def __init__(self, n=29, shape=(2, 3), sleep_at=None, sleep_s=0.0):
         self.n = n
+        self.shape = shape
+        self.sleep_at, self.sleep_s = sleep_at, sleep_s
         self.offset = 0.0
         self.init_worker = -1
 
@@ -30,7 +33,9 @@ class InitAugmentDataset(Dataset):
 
     def __getitem__(self, i):
         info = get_worker_info()
-        return {"image": torch.rand(2, 3) + self.offset + i, "np": np.random.rand(2),
+        if i == self.sleep_at:
+            time.sleep(self.sleep_s)
+        return {"image": torch.rand(self.shape) + self.offset + i, "np": np.random.rand(2),
                 "py": random.random(), "index": i, "worker": info.id,
                 "init_worker": self.init_worker, "seed": info.seed,
                 "num_workers": info.num_workers}

@@ -54,6 +54,41 @@ def test_map_parity_fork(workers, node, persistent):
     assert seen == {(w, w) for w in range(workers)}
 
 
+def test_growth_resend_and_stats():
+    # slots far too small: every logical worker's first batch asks for a bigger slot
+    # and its host writes the payload it kept for that worker; stats count per worker
+    loaders = []
+
+    def make(cls):
+        extra = {"slot_bytes": 4096, "node_workers": 2} if cls is PoolLoader else {}
+        loaders.append(cls(lds.InitAugmentDataset(shape=(3, 40, 41)), batch_size=4,
+                           shuffle=True, num_workers=4, worker_init_fn=lds.augment_init,
+                           multiprocessing_context="fork", **extra))
+        return loaders[-1]
+    got = _parity(make, epochs=1)
+    stats = loaders[-1].stats
+    assert stats.worker_batches == len(got[0]) and stats.slot_growths >= 1, stats
+
+
+def test_stall_report_names_logical_worker_and_host_pid():
+    loader = PoolLoader(lds.InitAugmentDataset(n=12, sleep_at=3, sleep_s=4.0), batch_size=1,
+                        num_workers=4, node_workers=2, timeout=1.5,
+                        multiprocessing_context="fork")
+    it = iter(loader)
+    try:
+        for _ in range(3):
+            next(it)
+        with pytest.raises(RuntimeError, match="timed out after 1.5 seconds") as info:
+            next(it)  # batch 3: logical worker 3, in the second process
+        host = it.worker_pids[1]
+    finally:
+        it._shutdown_workers()
+    message = str(info.value)
+    assert f"worker 3 (pid {host}): on batch 3" in message, message
+    del it, info
+    gc.collect()
+
+
 def test_map_parity_spawn_uneven():
     _parity(lambda cls: cls(
         lds.InitAugmentDataset(n=17), batch_size=2, shuffle=True, num_workers=3,
@@ -130,19 +165,21 @@ def test_killed_host_is_worker_died_naming_its_pid():
     loader = PoolLoader(lds.InitAugmentDataset(n=60), batch_size=2, num_workers=4,
                         node_workers=2, multiprocessing_context="fork", persistent_workers=True)
     it = iter(loader)
-    next(it)
-    victim = it.worker_pids[1]  # hosts logical workers 1 and 3
-    os.kill(victim, signal.SIGKILL)
-    t0 = time.monotonic()
-    with pytest.raises(WorkerDied) as info:
-        for _ in range(100):
-            next(it)
-    waited = time.monotonic() - t0
+    try:
+        next(it)
+        victim = it.worker_pids[1]  # hosts logical workers 1 and 3
+        os.kill(victim, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerDied) as info:
+            for _ in range(100):
+                next(it)
+        waited = time.monotonic() - t0
+    finally:
+        it._shutdown_workers()
     message = str(info.value)
     assert f"pid {victim}" in message and "signal 9" in message, message
     assert "hosting workers 1, 3" in message, message
     assert waited < 2.0, f"WorkerDied came {waited:.2f} s after the kill"
-    it._shutdown_workers()
     del it, info
     gc.collect()
 
@@ -157,15 +194,17 @@ def test_idle_host_sleeps():
     # persistent workers between epochs: every host waits on its doorbell, in the kernel
     loader = PoolLoader(lds.InitAugmentDataset(n=12), batch_size=3, num_workers=4,
                         node_workers=2, multiprocessing_context="fork", persistent_workers=True)
-    list(loader)
-    pids = loader._iterator.worker_pids
-    before = [_cpu_ticks(p) for p in pids]
-    time.sleep(1.0)
-    used = [_cpu_ticks(p) - b for p, b in zip(pids, before)]
-    assert all(u <= 10 for u in used), f"idle hosts used {used} clock ticks in 1 s"
-    assert len(list(loader)) == 4  # and they wake for the next epoch
-    loader._iterator._shutdown_workers()
-    loader._iterator = None
+    try:
+        list(loader)
+        pids = loader._iterator.worker_pids
+        before = [_cpu_ticks(p) for p in pids]
+        time.sleep(1.0)
+        used = [_cpu_ticks(p) - b for p, b in zip(pids, before)]
+        assert all(u <= 10 for u in used), f"idle hosts used {used} clock ticks in 1 s"
+        assert len(list(loader)) == 4  # and they wake for the next epoch
+    finally:
+        loader._iterator._shutdown_workers()
+        loader._iterator = None
     gc.collect()
 
 
