@@ -68,9 +68,10 @@ class PoolLoader(DataLoader[T_co]):
                   nothing is captured (DataLoader's cost) and `state_dict()`
                   returns {} (a warning says so): an epoch restarts, as with
                   DataLoader.
-      node_workers  None (default): one process per worker, as DataLoader. P (1 to
-                  num_workers): P processes host the num_workers logical workers
-                  (worker i in process i % P), and the batches are still
+      node_workers  None (default; num_workers is the same): one process per
+                  worker, as DataLoader. P (1 to num_workers): P processes
+                  host the num_workers logical workers (worker i in process
+                  i % P), and the batches are still
                   bit-identical to DataLoader(num_workers=...)'s: each logical
                   worker keeps its own seed and RNG states, get_worker_info(),
                   copy of the dataset (what worker_init_fn made of it), iterator
