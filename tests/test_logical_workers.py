@@ -226,3 +226,17 @@ def test_node_workers_must_be_in_range(value):
         PoolLoader(lds.InitAugmentDataset(), num_workers=4, node_workers=value)
     with pytest.raises(ValueError, match="num_workers=0"):
         PoolLoader(lds.InitAugmentDataset(), node_workers=1)
+
+
+def test_node_workers_equal_to_num_workers_is_the_default_path():
+    # one process per worker: no request doorbells, each worker waits on its own ring
+    loader = PoolLoader(lds.InitAugmentDataset(n=6), batch_size=3, num_workers=2,
+                        node_workers=2, multiprocessing_context="fork")
+    it = iter(loader)
+    try:
+        assert it._pool.control.request_doorbells == []
+        assert len(it.worker_pids) == 2 and len(list(it)) == 2
+    finally:
+        it._shutdown_workers()
+    del it
+    gc.collect()
