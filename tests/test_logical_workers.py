@@ -85,6 +85,9 @@ def test_stall_report_names_logical_worker_and_host_pid():
         it._shutdown_workers()
     message = str(info.value)
     assert f"worker 3 (pid {host}): on batch 3" in message, message
+    # worker 1 shares that process: it waits its turn, it is not stuck on its own batch
+    assert (f"worker 1 (pid {host}): waiting for its process, which is on worker 3's "
+            "batch 3") in message, message
     del it, info
     gc.collect()
 

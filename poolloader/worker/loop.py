@@ -352,6 +352,8 @@ def worker_loop(cfg: WorkerConfig, *hosted: WorkerConfig) -> None:
             if status != fmt.ST_END and slot not in lw.pending:
                 my_stats[0] += 1  # a batch (or error) published, not a request to grow
             my_stats[1] += idle_since - busy_since
+            if only is None:
+                my_stats[3] = 0  # off it: the process moves on to another logical worker
             lw.done_ring.push(slot, timeout=None)
             doorbell.ring()
     except KeyboardInterrupt:
