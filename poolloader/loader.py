@@ -78,6 +78,18 @@ class PoolLoader(DataLoader[T_co]):
                   batch (no replay), or 256 when the dataset is a
                   torch.nn.Module, whose state_dict() is its parameters and
                   buffers. A record over 1 MiB warns once.
+      node_workers  None (default; num_workers is the same): one process per
+                  worker, as DataLoader. P (1 to num_workers): P processes
+                  host the num_workers logical workers (worker i in process
+                  i % P), and the batches are still
+                  bit-identical to DataLoader(num_workers=...)'s: each logical
+                  worker keeps its own seed and RNG states, get_worker_info(),
+                  copy of the dataset (what worker_init_fn made of it), iterator
+                  and resume state; a process serves its logical workers in turn.
+                  Fewer processes, so at most P batches are produced at once.
+                  Under fork the dataset is deep-copied once per extra logical
+                  worker in its process (an error says so if it cannot be).
+                  `worker_pids` lists the P processes.
     Nothing is created until the loader is iterated. `stats` holds counters;
     `stats.advice()` reads them: which side is the bottleneck, what to change.
 
@@ -94,7 +106,7 @@ class PoolLoader(DataLoader[T_co]):
                  in_order=True, slot_bytes=DEFAULT_SLOT_BYTES, slots=None, max_slots=None,
                  shm_limit=None, device=None, shm_backend=None,
                  stall_warning=DEFAULT_STALL_WARNING_S, stateful=True,
-                 snapshot_every_n_steps=None):
+                 snapshot_every_n_steps=None, node_workers=None):
         super().__init__(
             dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
             batch_sampler=batch_sampler, num_workers=num_workers, collate_fn=collate_fn,
@@ -128,6 +140,16 @@ class PoolLoader(DataLoader[T_co]):
                 or snapshot_every_n_steps < 1):
             raise ValueError(f"snapshot_every_n_steps must be a positive number of steps or None, "
                              f"got {snapshot_every_n_steps!r}")
+        if node_workers is not None and (isinstance(node_workers, bool)
+                                         or not isinstance(node_workers, int)
+                                         or not 1 <= node_workers <= self.num_workers):
+            raise ValueError(
+                f"node_workers={node_workers!r}: the number of processes hosting the "
+                f"num_workers={self.num_workers} workers must be an int from 1 to "
+                f"num_workers ({self.num_workers}), or None (one process per worker)"
+                + ("; with num_workers=0 no worker process runs at all: leave node_workers "
+                   "None" if self.num_workers == 0 else ""))
+        self.node_workers = node_workers
         self.shuffle = shuffle
         self.stateful = stateful
         self.snapshot_every_n_steps = snapshot_every_n_steps

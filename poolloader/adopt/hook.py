@@ -68,6 +68,17 @@ def pool_option_names() -> tuple[str, ...]:
                  if p.kind is p.KEYWORD_ONLY and name not in _DATALOADER_PARAMS.parameters)
 
 
+# Pool options that belong to one loader, not to a script: node_workers is bounded by each
+# loader's own num_workers, so the runner does not offer it (poolloader.adopt.runner).
+PER_LOADER_OPTIONS = ("node_workers",)
+
+
+def runner_option_names() -> tuple[str, ...]:
+    """The pool options the runner offers for every loader of a script (its flags and
+    environment variables): pool_option_names() less PER_LOADER_OPTIONS."""
+    return tuple(name for name in pool_option_names() if name not in PER_LOADER_OPTIONS)
+
+
 def pool_options_of(loader: PoolLoader) -> dict:
     """The pool options `loader` was built with (its attributes of the same names)."""
     return {name: getattr(loader, name) for name in pool_option_names() if hasattr(loader, name)}

@@ -53,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Run SCRIPT (or -m MODULE) as python would, with every DataLoader it builds "
                     "with num_workers > 0 built as a PoolLoader.",
         epilog="Pool options may also come from the environment: "
-               + ", ".join(ENV_PREFIX + n.upper() for n in hook.pool_option_names())
+               + ", ".join(ENV_PREFIX + n.upper() for n in hook.runner_option_names())
                + " (a flag wins). SIGUSR1 prints the summary while the script runs.")
     p.add_argument("--loader", choices=("pool", "torch"), default="pool",
                    help="pool (default): DataLoaders become PoolLoaders; torch: run the "
@@ -62,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="no summary at exit, no SIGUSR1 handler")
     group = p.add_argument_group("pool options (PoolLoader keyword arguments)")
     defaults = inspect.signature(PoolLoader.__init__).parameters
-    for name in hook.pool_option_names():
+    for name in hook.runner_option_names():
         switch = isinstance(defaults[name].default, bool)
         group.add_argument(_flag(name), dest=name, metavar="true|false" if switch else "VALUE",
                            default=None,
@@ -75,7 +75,7 @@ def split_argv(argv: list[str]) -> tuple[list[str], str | None, str | None, list
     """(runner options, script, module, script args): the runner's options end at the
     first argument that is not one of them; everything after SCRIPT / `-m MODULE` is the
     script's, even if it looks like a runner option (`--loader torch`)."""
-    takes_value = {"--loader"} | {_flag(n) for n in hook.pool_option_names()}
+    takes_value = {"--loader"} | {_flag(n) for n in hook.runner_option_names()}
     i = 0
     while i < len(argv):
         arg = argv[i]
@@ -113,7 +113,7 @@ def pool_options(parsed: argparse.Namespace, environ=os.environ) -> dict:
     PoolLoader with them (so a bad value fails here, naming where it came from). An
     option whose default is True or False (`stateful`) takes true/false/1/0, any case."""
     options, sources, texts = {}, {}, {}
-    for name in hook.pool_option_names():
+    for name in hook.runner_option_names():
         flag_value, env = getattr(parsed, name), ENV_PREFIX + name.upper()
         if flag_value is not None:
             texts[name], sources[name] = flag_value, f"{_flag(name)} {flag_value}"

@@ -41,6 +41,7 @@ from poolloader.main import stall, startup, supervise
 from poolloader.main.ledger import SlotLedger, plan_sizes
 from poolloader.main.stats import LoaderStats
 from poolloader.resume.tracker import IteratorSetup, ResumeTracker
+from poolloader.shm.control import hosted_by
 from poolloader.shm.pool import SlotPool
 from poolloader.wire import codec
 from poolloader.wire import slot_format as fmt
@@ -84,7 +85,8 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         self._teardown_left: tuple[str, ...] = ()  # _shutdown_workers' steps not yet done
         self._fatal: str | None = None
         self._owner_pid = os.getpid()
-        self._workers: list = []
+        self._workers: list = []  # logical worker i's process (node_workers: shared)
+        self._request_bells: list | None = None
         # set below; None only while __init__ has not made them (a failed start)
         self._pool: SlotPool = None  # type: ignore[assignment]
         self._ledger: SlotLedger = None  # type: ignore[assignment]
@@ -104,6 +106,9 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                                               getattr(self, "_pin_memory_device", None))
         self._small_buffer = self._gate.small_buffer if self._gate is not None else None
         n = self._num_workers
+        # node_workers=P < n: P processes host the n logical workers (worker i in
+        # process hosted_by(i, P)); 0: one process per worker
+        hosts = loader.node_workers if loader.node_workers not in (None, n) else 0
         size = plan_sizes(loader, gated=self._gate is not None)
         self._epoch = 0
         # state_dict()/load_state_dict(): takes the base seed of a loaded state, if any
@@ -116,19 +121,25 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         self._pool = SlotPool(
             n, size.slots, size.max_slots, size.slot_bytes, loader.shm_limit,
             on_map=self._gate.register if self._gate else None,
-            on_unmap=self._gate.unregister if self._gate else None, backend=loader.shm_backend)
+            on_unmap=self._gate.unregister if self._gate else None, backend=loader.shm_backend,
+            hosts=hosts)
         self._ledger = SlotLedger(self._pool, self._stats, self._gate, size.capacity)
         self._shutdown = False
         self._teardown_left = self._TEARDOWN
         try:
             self._request_rings = self._pool.control.request_rings
+            # per logical worker, the doorbell its host waits on (node_workers), else None
+            bells = self._pool.control.request_doorbells
+            self._request_bells = [bells[hosted_by(i, hosts)] for i in range(n)] if hosts else None
+            inflight = self._ledger.inflight
             self._replies = supervise.Replies(self._pool.control, self._workers, self._timeout,
                                               self._stats, on_tick=self._pool.unlink_mapped,
                                               stall_warning=loader.stall_warning,
                                               stall_report=_stall_reporter(
                                                   self._workers, self._pool, self._ledger,
                                                   self._sent_indices),
-                                              returned=self._ledger.returned)
+                                              returned=self._ledger.returned,
+                                              owed=lambda: [w for _, w in inflight.values()])
             init_fn = loader.worker_init_fn
             if isinstance(self._dataset, (IterDataPipe, MapDataPipe)):
                 # DataLoader's workers shard a datapipe first (by worker and rank)
@@ -140,8 +151,9 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                 if n and startup.shares(ctx, self._pool.backend) else None
             self._shared_start = shared
             self._unheard = set(range(n)) if shared is not None else set()
+            cfgs = []
             for i in range(n):
-                cfg = WorkerConfig(
+                cfgs.append(WorkerConfig(
                     dataset_kind=self._dataset_kind,
                     dataset=None if shared else self._dataset,
                     auto_collation=self._auto_collation,
@@ -150,8 +162,15 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                     init_fn=None if shared else init_fn, worker_id=i, num_workers=n,
                     pool=self._pool.locator, resume=self._resume.worker_plan(i),
                     shared=shared.ticket if shared else None, shared_seed=self._shared_seed,
-                    capture=loader.stateful, snapshot_every=self._resume.snapshot_every)
-                self._workers.append(start_without_pipes(ctx, worker_loop, (cfg,)))
+                    capture=loader.stateful, snapshot_every=self._resume.snapshot_every,
+                    host=hosted_by(i, hosts) if hosts else 0))
+                if not hosts:
+                    self._workers.append(start_without_pipes(ctx, worker_loop, (cfgs[i],)))
+            if hosts:
+                # self._workers[i] is logical worker i's process, one object per process
+                processes = [start_without_pipes(ctx, worker_loop, tuple(cfgs[h::hosts]))
+                             for h in range(hosts)]
+                self._workers.extend(processes[hosted_by(i, hosts)] for i in range(n))
             supervise.track(self)
             self._stats.attach_pool(self._pool, self._ledger, self._workers)
             self._stats.num_workers = n
@@ -169,7 +188,8 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
 
     @property
     def worker_pids(self) -> list[int]:
-        return [w.pid for w in self._workers if w.pid is not None]
+        """The worker processes' pids, each once (with node_workers=P, P of them)."""
+        return [w.pid for w in supervise.unique(self._workers) if w.pid is not None]
 
     @property
     def prefetched(self) -> tuple[int, int]:
@@ -348,6 +368,8 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
             if not pushed[0]:
                 raise SlotCorrupt(f"internal error: the request ring of worker {worker} is "
                                   f"full ({ring.capacity} cells, one per slot)")
+            if self._request_bells is not None:
+                self._request_bells[worker].ring()
         except BaseException as e:
             if pushed and pushed[0]:
                 ledger.taking = None
@@ -381,6 +403,8 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
             ledger.push(self._request_rings[worker], slot, pushed)
             if not pushed[0]:
                 raise SlotCorrupt(f"internal error: the request ring of worker {worker} is full")
+            if self._request_bells is not None:
+                self._request_bells[worker].ring()
         except BaseException as e:
             if not (pushed and pushed[0]):
                 # the worker holds the batch and waits for this slot, which did not
@@ -578,8 +602,11 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         try:
             for ring in getattr(self, "_request_rings", ()):
                 ring.close()
+            for bell in getattr(self, "_request_bells", None) or ():
+                bell.ring()  # a host waiting on its doorbell wakes and finds its rings closed
         finally:
             self._request_rings = []  # a ring keeps the control block mapped
+            self._request_bells = None
 
     def _stop_workers(self) -> None:
         supervise.stop(self._workers)

@@ -79,8 +79,17 @@ def report(workers, worker_stats, inflight: dict, sent: dict) -> str:
     n = len(owed)
     lines = [f"{n} worker{'s' if n != 1 else ''} owe{'s' if n == 1 else ''} a batch "
              f"(stacks are most recent call first):"]
+    # node_workers: logical workers share a process, which is on one batch at a time
+    busy = {w.pid: w for w in owed if w.current is not None}
     for w in owed:
-        lines.append(f"  worker {w.worker} (pid {w.pid}): {_describe(w)}")
+        host = busy.get(w.pid)
+        if w.current is None and host is not None:
+            head = (f"waiting for its process, which is on worker {host.worker}'s batch "
+                    f"{host.current}; owes batch{'es' if len(w.requests) > 1 else ''} "
+                    f"{', '.join(str(seq) for seq, _ in w.requests)}")
+        else:
+            head = _describe(w)
+        lines.append(f"  worker {w.worker} (pid {w.pid}): {head}")
         stack = stacks.get(w.pid) if w.pid is not None else None
         if w is not target:
             stack = (f"no stack: not signalled (only worker {target.worker}, whose batch "

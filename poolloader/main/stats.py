@@ -49,7 +49,8 @@ class LoaderStats:
     memory()         the workers' and main's memory, read from /proc now (a
                      poolloader.main.memory.MemoryReport: per live worker its id, pid,
                      uss, pss, rss and shared bytes, main's, and the workers' sums;
-                     no workers when no iterator is live). Costs one /proc read per
+                     no workers when no iterator is live; with node_workers= one entry per
+                     process, under the first logical worker it hosts). Costs one /proc read per
                      process, so it is a call, never done per batch
     last_memory      the memory() an iterator read just before it stopped its workers
                      (its last moment with them alive: the end of a non-persistent
@@ -150,10 +151,12 @@ class LoaderStats:
         docstring). A worker that has exited, or exits while this reads, is left out."""
         live = []
         if self._live_pool() is not None:
+            seen = set()  # with node_workers= one process hosts several logical workers
             for worker_id, process in enumerate(self._workers):
                 # exitcode polls without waiting; a live child's pid is not reused until
                 # this process reaps it, so the pid read next is still that worker's
-                if process.pid is not None and process.exitcode is None:
+                if process.pid is not None and process.pid not in seen and process.exitcode is None:
+                    seen.add(process.pid)
                     live.append((worker_id, process.pid))
         return report(live)
 

@@ -57,9 +57,16 @@ def join_all(processes, timeout: float) -> None:
         pause = min(pause * 2, 0.02)
 
 
+def unique(processes) -> list:
+    """Each process once, in order: with node_workers, one process stands for several
+    logical workers."""
+    return list(dict.fromkeys(processes))
+
+
 def stop(processes) -> None:
     """The ladder, after the caller closed the request rings (which ends every
-    worker): join with a deadline → terminate → kill, each bounded."""
+    worker): join with a deadline → terminate → kill, each bounded; each process once."""
+    processes = unique(processes)
     try:
         join_all(processes, JOIN_TIMEOUT)
     finally:
@@ -83,18 +90,32 @@ def describe_exit(code) -> str:
     return f"exit code {code}"
 
 
-def check_alive(processes) -> None:
+def check_alive(processes, owed=()) -> None:
     """Raise WorkerDied for the first worker that has exited. Its message starts with
-    DataLoader's own sentence for that death (code that matches it keeps working)."""
-    for i, w in enumerate(processes):
+    DataLoader's own sentence for that death (code that matches it keeps working).
+
+    `processes[i]` is logical worker i's process; with node_workers one process hosts
+    several, and the message names the first of `owed` (logical workers with a
+    request in flight, oldest first) that it hosts, else the first it hosts."""
+    checked: set[int] = set()
+    for first, w in enumerate(processes):
+        if id(w) in checked:
+            continue
+        checked.add(id(w))
         if not w.is_alive():
             code = w.exitcode
+            hosted = [k for k, p in enumerate(processes) if p is w]
+            i = next((k for k in owed if k in hosted), first)
+            where = ""
+            if len(hosted) > 1:
+                where = (f", the process hosting workers {', '.join(map(str, hosted))} "
+                         "(node_workers)")
             if code is not None and code < 0:
                 head = f"DataLoader worker (pid {w.pid}) is killed by signal: {_strsignal(-code)}. "
             else:
                 head = f"DataLoader worker (pid {w.pid}) exited unexpectedly. "
             raise WorkerDied(
-                f"{head}PoolLoader worker {i} (pid {w.pid}) exited unexpectedly with "
+                f"{head}PoolLoader worker {i} (pid {w.pid}{where}) exited unexpectedly with "
                 f"{describe_exit(code)}. If it was killed for memory (signal 9), lower "
                 "num_workers or batch_size; run with num_workers=0 to see the error in "
                 "the main process.")
@@ -124,8 +145,11 @@ class Replies:
 
     def __init__(self, control, workers, timeout: float, stats, on_tick,
                  stall_warning: float | None = None, stall_report=None,
-                 returned=None) -> None:
+                 returned=None, owed=None) -> None:
+        """`owed()`: the logical workers with a request in flight, oldest first (the
+        one a dead process owed is named: check_alive)."""
         self._rings = control.done_rings
+        self._owed = owed
         self.returned = collections.deque() if returned is None else returned
         self._doorbell = control.doorbell
         self._workers = workers
@@ -184,7 +208,7 @@ class Replies:
                         raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds"
                                            + self._report())
                 if not self._doorbell.wait(wait):
-                    check_alive(self._workers)
+                    check_alive(self._workers, self._owed() if self._owed else ())
                     self._on_tick()
                     if warn_at is not None and time.monotonic() >= warn_at:
                         warn_at = None  # once per stall: the next wait that stalls warns again
@@ -213,3 +237,4 @@ class Replies:
         self._rings = []
         self._doorbell = None
         self._stall_report = None
+        self._owed = None

@@ -3,7 +3,9 @@
 It holds what main and the workers must agree on besides the slots themselves:
 which generation of each slot's segment is current, which generation each
 worker has mapped (so main knows when a name may be unlinked), one request ring
-and one done ring per worker, and the doorbell workers ring after each push.
+and one done ring per worker, the doorbell workers ring after each push, and, where
+fewer processes host the workers (PoolLoader(node_workers=P)), one request doorbell
+per hosting process, which main rings after each push to a request ring it serves.
 
 Layout (byte offsets; every block starts on a 64-byte line). Keep in sync with
 the readers below; both sides use these functions only:
@@ -16,7 +18,9 @@ the readers below; both sides use these functions only:
            [4] growth_counter   bumped by main after any slot table change
            [5] main_pid         pid of the owner, for people debugging only: liveness is
                                 the owner lock on this segment (pool.py)
-           [6] reserved
+           [6] hosts            physical processes hosting the (logical) workers, each
+                                waiting on its request doorbell; 0: every worker is its
+                                own process and waits on its request ring
            [7] reserved
     64   doorbell             DOORBELL_BYTES
     A    slot table           max_slots × 4 u64: generation, size, and where a worker
@@ -29,10 +33,13 @@ the readers below; both sides use these functions only:
            [2] ns waiting for a request (idle: no free slot / consumer slow)
            [3] busy stamp: slot being produced and since when (poolloader.worker.stall owns it)
     C    rings                per worker: request ring, done ring (capacity max_slots each)
+    D    request doorbells    hosts × DOORBELL_BYTES: host h's is rung by main after a push
+                              to the request ring of any worker it hosts (worker w is
+                              hosted by h = w % hosts: hosted_by)
 
 Main and every worker map all of it, so any of them can overwrite any of it. Each
-process therefore keeps the layout (num_workers, max_slots, every offset, each
-ring's capacity) in its own memory: main from its arguments, a worker from the
+process therefore keeps the layout (num_workers, max_slots, hosts, every offset,
+each ring's capacity) in its own memory: main from its arguments, a worker from the
 header it checks once in read_shape. What is read later is checked where it is
 read (the rings in csrc/ring.h, the acks and slot table in pool.py) and a bad
 value is ControlCorrupt, never an index outside the segment.
@@ -46,7 +53,7 @@ from poolloader.shm._ring import DOORBELL_BYTES, Doorbell, Ring
 
 CONTROL_MAGIC = 0x6C6F72746E6F434C  # "LControl"
 _HEADER_FIELDS = 8
-H_MAGIC, H_WORKERS, H_MAX_SLOTS, H_NUM_SLOTS, H_GROWTH, H_MAIN_PID = range(6)
+H_MAGIC, H_WORKERS, H_MAX_SLOTS, H_NUM_SLOTS, H_GROWTH, H_MAIN_PID, H_HOSTS = range(7)
 # slot table columns (keep in sync with the layout above)
 S_GENERATION, S_SIZE, S_HANDLE_A, S_HANDLE_B = range(4)
 SLOT_ROW_BYTES = 8 * 4
@@ -56,19 +63,28 @@ def _align(n: int, to: int = 64) -> int:
     return (n + to - 1) // to * to
 
 
-class ControlLayout:
-    """Offsets of each block for a given worker count and slot bound."""
+def hosted_by(worker: int, hosts: int) -> int:
+    """The physical process (0..hosts-1) that hosts logical worker `worker`: round robin,
+    so consecutive workers, which DataLoader's round robin hands consecutive batches,
+    land in different processes."""
+    return worker % hosts
 
-    def __init__(self, num_workers: int, max_slots: int):
+
+class ControlLayout:
+    """Offsets of each block for a given worker count, slot bound and host count."""
+
+    def __init__(self, num_workers: int, max_slots: int, hosts: int = 0):
         self.num_workers = num_workers
         self.max_slots = max_slots
+        self.hosts = hosts
         self.doorbell = 64
         self.slot_table = _align(self.doorbell + DOORBELL_BYTES)
         self.ack_table = _align(self.slot_table + SLOT_ROW_BYTES * max_slots)
         self.worker_stats = _align(self.ack_table + 8 * num_workers * max_slots)
         self.rings = _align(self.worker_stats + 32 * num_workers)
         self.ring_bytes = _align(Ring.nbytes(max_slots))
-        self.nbytes = _align(self.rings + 2 * num_workers * self.ring_bytes, 4096)
+        self.request_doorbells = _align(self.rings + 2 * num_workers * self.ring_bytes)
+        self.nbytes = _align(self.request_doorbells + hosts * DOORBELL_BYTES, 4096)
 
     def request_ring_offset(self, worker: int) -> int:
         return self.rings + 2 * worker * self.ring_bytes
@@ -76,16 +92,21 @@ class ControlLayout:
     def done_ring_offset(self, worker: int) -> int:
         return self.rings + (2 * worker + 1) * self.ring_bytes
 
+    def request_doorbell_offset(self, host: int) -> int:
+        return self.request_doorbells + host * DOORBELL_BYTES
+
 
 class Control:
     """Typed views over a mapped control segment.
 
-    `create=True` (main, once) initialises the header, doorbell and rings;
-    workers attach with `create=False` after reading num_workers/max_slots.
+    `create=True` (main, once) initialises the header, doorbells and rings;
+    workers attach with `create=False` after reading num_workers/max_slots/hosts.
+    `hosts`: 0, or the number of processes hosting the workers (request_doorbells).
     """
 
-    def __init__(self, mapping, num_workers: int, max_slots: int, create: bool):
-        self.layout = lay = ControlLayout(num_workers, max_slots)
+    def __init__(self, mapping, num_workers: int, max_slots: int, create: bool,
+                 hosts: int = 0):
+        self.layout = lay = ControlLayout(num_workers, max_slots, hosts)
         self.mapping = mapping
         self.header = np.ndarray((_HEADER_FIELDS,), np.uint64, buffer=mapping, offset=0)
         # slot_table[s] = (generation, size in bytes, handle a, handle b) of slot s's
@@ -103,7 +124,11 @@ class Control:
             self.worker_stats[:] = 0
             self.header[H_WORKERS] = num_workers
             self.header[H_MAX_SLOTS] = max_slots
+            self.header[H_HOSTS] = hosts
         self.doorbell = Doorbell(mapping, lay.doorbell, create=create)
+        # request_doorbells[h]: rung by main after a push to a request ring host h serves
+        self.request_doorbells = [Doorbell(mapping, lay.request_doorbell_offset(h), create=create)
+                                  for h in range(hosts)]
         self.request_rings = [self._ring(lay.request_ring_offset(w), f"request ring of worker {w}", create)
                               for w in range(num_workers)]
         self.done_rings = [self._ring(lay.done_ring_offset(w), f"done ring of worker {w}", create)
@@ -147,8 +172,21 @@ class Control:
                                  f"max_slots={max_slots}, which do not fit its {size} bytes")
         return num_workers, max_slots
 
+    @staticmethod
+    def read_hosts(mapping, num_workers: int, max_slots: int) -> int:
+        """The header's host count (0: no request doorbells), checked to fit the segment
+        and the worker count; read once, after read_shape, by a process attaching."""
+        hosts = int(np.ndarray((_HEADER_FIELDS,), np.uint64, buffer=mapping, offset=0)[H_HOSTS])
+        if not (0 <= hosts <= num_workers
+                and ControlLayout(num_workers, max_slots, hosts).nbytes <= len(mapping)):
+            raise ControlCorrupt(f"the control block's header says {hosts} hosts for "
+                                 f"{num_workers} workers, which do not fit its "
+                                 f"{len(mapping)} bytes")
+        return hosts
+
     def close_views(self) -> None:
         """Drop every view so the mapping can be unmapped."""
         self.header = self.slot_table = self.acks = self.worker_stats = None  # type: ignore[assignment]
         self.doorbell = None  # type: ignore[assignment]
+        self.request_doorbells = []
         self.request_rings = self.done_rings = []

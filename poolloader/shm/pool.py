@@ -99,7 +99,10 @@ class SlotPool:
 
     def __init__(self, num_workers: int, slots: int, max_slots: int, slot_bytes: int,
                  shm_limit: int | None = None, on_map=None, on_unmap=None,
-                 backend: str | None = None):
+                 backend: str | None = None, hosts: int = 0):
+        """`hosts`: 0 (every worker its own process), or the number of processes that
+        host the num_workers logical workers (PoolLoader(node_workers=)): the control
+        block then has a request doorbell per host (control.py)."""
         self.shm_limit = cap(shm_limit)
         self.num_workers = num_workers
         self.max_slots = max_slots
@@ -121,13 +124,14 @@ class SlotPool:
         self._growth = 0  # main's copy of the growth counter it publishes
         self._closed = False
         try:
-            lay = ControlLayout(num_workers, max_slots)
+            lay = ControlLayout(num_workers, max_slots, hosts)
             self._check_cap(lay.nbytes + slots * self.target_bytes, 0,
                             f"a pool of {slots} slots of {self.target_bytes} bytes")
             self.segments.check_space(lay.nbytes + slots * self.target_bytes,
                                       f"a pool of {slots} slots of {self.target_bytes} bytes")
             self._control_mapping = self.segments.claim_control(lay.nbytes)
-            self.control = Control(self._control_mapping, num_workers, max_slots, create=True)
+            self.control = Control(self._control_mapping, num_workers, max_slots, create=True,
+                                   hosts=hosts)
             self.control.header[H_MAIN_PID] = os.getpid()
             for _ in range(slots):
                 self.add_slot()
@@ -355,16 +359,21 @@ class WorkerSlots:
     validated at attach (ControlCorrupt otherwise).
     """
 
-    def __init__(self, locator: tuple, worker_id: int):
+    def __init__(self, locator: tuple, worker_id: int, hosted: tuple[int, ...] | None = None):
+        """`hosted`: every logical worker this process hosts (worker_id first), whose
+        acks it writes; None: worker_id alone."""
         self.worker_id = worker_id
+        self.hosted = (worker_id,) if hosted is None else tuple(hosted)
         self.attachment = attach(locator)
         mapping = self.attachment.control_mapping
         num_workers, max_slots = Control.read_shape(mapping)
-        if not 0 <= worker_id < num_workers:
-            raise ControlCorrupt(f"worker {worker_id}: the control block says the pool has "
-                                 f"{num_workers} workers")
+        for worker in (worker_id, *self.hosted):
+            if not 0 <= worker < num_workers:
+                raise ControlCorrupt(f"worker {worker}: the control block says the pool has "
+                                     f"{num_workers} workers")
         self.max_slots = max_slots
-        self.control = Control(mapping, num_workers, max_slots, create=False)
+        self.control = Control(mapping, num_workers, max_slots, create=False,
+                               hosts=Control.read_hosts(mapping, num_workers, max_slots))
         self.mappings: dict[int, tuple[int, Mapping]] = {}
         self.dropped = False  # a sync dropped a mapping since the caller last looked
         self._seen_growth = -1
@@ -411,7 +420,8 @@ class WorkerSlots:
                     self._seen_growth = -1
                     continue
                 self.mappings[slot] = (generation, mapping)
-                self.control.acks[self.worker_id, slot] = generation
+                for worker in self.hosted:
+                    self.control.acks[worker, slot] = generation
 
     def mapping(self, slot: int) -> Mapping:
         """The current mapping of a slot this worker owns right now (popped from its ring)."""

@@ -1,14 +1,17 @@
 """The worker loop: pop a slot, fetch and collate into it, publish, repeat.
 
-Runs in each worker process. Seeding, WorkerInfo, worker_init_fn and the
-fetchers are torch's own, used as DataLoader's `_worker_loop` uses them, so a
-dataset sees exactly what it sees under DataLoader. What differs is transport:
+Runs in each worker process, which hosts one logical worker (LogicalWorker: what
+makes one DataLoader worker's batches) or, with PoolLoader(node_workers=), several,
+served round robin. Seeding, WorkerInfo, worker_init_fn and the fetchers are torch's
+own, used as DataLoader's `_worker_loop` uses them, so a dataset sees exactly what it
+sees under DataLoader. What differs is transport:
 requests and replies are slot indices on this worker's two rings, the batch is
 written into the slot, and errors travel through the slot as torch's
 ExceptionWrapper.
 """
 from __future__ import annotations
 
+import copy
 import random
 import time
 from dataclasses import dataclass
@@ -53,6 +56,9 @@ class WorkerConfig:
     shared: tuple | None = None
     shared_seed: int | None = None  # DataLoader's _shared_seed (IterDataPipe shuffles)
     capture: bool = True  # PoolLoader(stateful=): each reply carries its resume record
+    # PoolLoader(node_workers=): the process hosting this logical worker (its request
+    # doorbell in the control block); unused when the worker is its own process
+    host: int = 0
     snapshot_every: int = 1  # PoolLoader(snapshot_every_n_steps=): see resume.keys.WorkerProgress
 
 
@@ -76,9 +82,212 @@ def _sync(slots: WorkerSlots, writer: codec.SlotWriter, slot: int | None = None)
     return mapping
 
 
-def worker_loop(cfg: WorkerConfig) -> None:
-    from torch.utils.data import _DatasetKind
+def _numpy():
+    try:
+        import numpy as np
+    except ImportError:
+        return None
+    return np
 
+
+class LogicalWorker:
+    """One DataLoader worker, as its batches see it: its id and seed, its RNG states
+    (`random`, `torch`, `numpy`), its WorkerInfo, what worker_init_fn made of its own
+    copy of the dataset, its fetcher (an IterableDataset's per-worker iterator), its
+    epoch, its resume progress, the payloads it holds for a bigger slot, and its two
+    rings. A process hosts one (the default) or several (PoolLoader(node_workers=)),
+    and switches to the one a request belongs to: `enter()` makes its WorkerInfo and
+    RNG states the process's, `leave()` keeps them until the next `enter()`.
+
+    Built in its process, in worker id order: the seeding, worker_init_fn and first
+    fetcher (iter() of an IterableDataset) run here, as in DataLoader's worker."""
+
+    def __init__(self, cfg: WorkerConfig, control, copy_error: BaseException | None = None):
+        from torch.utils.data import _DatasetKind
+
+        self.cfg = cfg
+        self.id = cfg.worker_id
+        self.where = f"in DataLoader worker process {cfg.worker_id}"
+        seed = cfg.base_seed + cfg.worker_id
+        random.seed(seed)
+        torch.manual_seed(seed)
+        np = _numpy()
+        if np is not None:
+            np.random.seed(_generate_state(cfg.base_seed, cfg.worker_id))
+        dataset = cfg.dataset
+        if isinstance(dataset, IterDataPipe):
+            # as DataLoader's worker: the pipe's shuffles draw from the epoch's shared seed
+            if cfg.shared_seed is None:
+                raise RuntimeError("internal error: an IterDataPipe worker without a shared seed")
+            dataset = apply_random_seed(dataset, torch.Generator().manual_seed(cfg.shared_seed))
+        self.dataset = dataset
+        self.info = WorkerInfo(id=cfg.worker_id, num_workers=cfg.num_workers, seed=seed,
+                               dataset=dataset)
+        torch_worker._worker_info = self.info
+        self.rng: tuple | None = None  # its RNG states while another logical worker runs
+
+        # torch's default collate gives the same result stacked into the slot.
+        self.collate_fn = cfg.collate_fn
+        if self.collate_fn is default_collate:
+            self.collate_fn = filling.slot_collate
+        self.iterable = cfg.dataset_kind == _DatasetKind.Iterable
+
+        self.init_exception: ExceptionWrapper | None = None
+        self.fetcher = None
+        self.progress = WorkerProgress(cfg.resume, dataset, self.iterable, cfg.snapshot_every,
+                                       cfg.num_workers)
+        try:
+            if copy_error is not None:
+                raise copy_error
+            if cfg.init_fn is not None:
+                cfg.init_fn(cfg.worker_id)
+            self.fetcher = self.progress.first_fetcher(self.new_fetcher)
+        except Exception:
+            self.init_exception = ExceptionWrapper(where=self.where)
+        stall.check_handler()  # init_fn may have taken the stack signal for itself
+
+        self.epoch = 0
+        self.iteration_end = False
+        # slot -> (payload, status, resume record) awaiting a bigger slot
+        self.pending: dict[int, tuple[Any, int, bytes]] = {}
+        self.request_ring = control.request_rings[cfg.worker_id]
+        self.done_ring = control.done_rings[cfg.worker_id]
+        self.stats = control.worker_stats[cfg.worker_id]
+
+    def new_fetcher(self):
+        from torch.utils.data import _DatasetKind
+
+        cfg = self.cfg
+        return _DatasetKind.create_fetcher(cfg.dataset_kind, self.dataset, cfg.auto_collation,
+                                           self.collate_fn, cfg.drop_last)
+
+    def leave(self) -> None:
+        """Another logical worker of this process runs next: keep this one's RNG states."""
+        np = _numpy()
+        self.rng = (random.getstate(), torch.get_rng_state(),
+                    np.random.get_state() if np is not None else None)
+
+    def enter(self) -> None:
+        """Make this logical worker the process's: its WorkerInfo, its RNG states."""
+        torch_worker._worker_info = self.info
+        if self.rng is not None:
+            py_state, torch_state, np_state = self.rng
+            self.rng = None
+            random.setstate(py_state)
+            torch.set_rng_state(torch_state)
+            if np_state is not None:
+                _numpy().random.set_state(np_state)
+
+    def serve(self, slots: WorkerSlots, writer: codec.SlotWriter, slot: int) -> int:
+        """Produce the reply to the request in `slot` (popped from this worker's request
+        ring) into it; returns its status."""
+        cfg = self.cfg
+        mapping = _sync(slots, writer, slot)
+        header = fmt.header_view(mapping)
+        pending = self.pending
+        fresh = slot in pending  # a payload waiting for this (now bigger) slot
+        if fresh:
+            payload, status, state = pending.pop(slot)
+        else:
+            req_epoch = fmt.request_epoch(header)
+            if req_epoch != self.epoch:
+                self.epoch = req_epoch
+                self.iteration_end = False
+                if isinstance(self.dataset, IterDataPipe):  # DataLoader's _ResumeIteration
+                    self.dataset = apply_random_seed(self.dataset, torch.Generator().manual_seed(
+                        fmt.request_shared_seed(header)))
+                if self.init_exception is None:
+                    try:  # an IterableDataset's __iter__ runs here
+                        self.fetcher = self.progress.epoch_fetcher(self.new_fetcher)
+                    except Exception:
+                        self.fetcher = None
+                        self.init_exception = ExceptionWrapper(where=self.where)
+            payload, status = None, fmt.ST_END
+            if not self.iteration_end:
+                writer.begin(mapping, slot)
+                filling.set_writer(writer)
+                try:
+                    if self.init_exception is not None:
+                        payload, status = self.init_exception, fmt.ST_ERROR
+                        self.init_exception = None
+                    elif self.fetcher is None:  # its epoch's __iter__ failed: nothing more
+                        raise StopIteration
+                    else:
+                        index = fmt.read_request(mapping, header)
+                        self.progress.fetched += 1
+                        payload, status = self.fetcher.fetch(index), fmt.ST_READY
+                except StopIteration:
+                    if not self.iterable:
+                        payload = ExceptionWrapper(where=self.where)
+                        status = fmt.ST_ERROR
+                    else:
+                        self.iteration_end = True
+                except Exception:
+                    payload = ExceptionWrapper(where=self.where)
+                    status = fmt.ST_ERROR
+                finally:
+                    filling.set_writer(None)
+            try:
+                state = (self.progress.capture(self.fetcher, fmt.request_seq(header))
+                         if cfg.capture else b"")
+            except Exception:  # e.g. the dataset's state_dict(): reported like a fetch error
+                payload = ExceptionWrapper(where=self.where)
+                status, state = fmt.ST_ERROR, b""
+        if status == fmt.ST_END:
+            _publish_end(mapping, header, slot, state, pending)
+        else:
+            _publish(writer, mapping, header, slot, payload, status, state, pending,
+                     cfg.worker_id, fresh)
+        del payload
+        return status
+
+
+def _own_copies(cfgs: tuple[WorkerConfig, ...]) -> list[BaseException | None]:
+    """Give every logical worker after the first its own dataset, worker_init_fn and
+    collate_fn, as each DataLoader worker has: unpickled once more from the shared start
+    payload (spawn / forkserver), else deep-copied from what this process inherited or
+    received (fork: one dataset for the whole process), before any worker_init_fn runs.
+    Per worker: None, or why its copy could not be made (reported as its init error)."""
+    first = cfgs[0]
+    errors: list[BaseException | None] = [None]
+    for cfg in cfgs[1:]:
+        errors.append(None)
+        if cfg.shared is not None:
+            cfg.dataset, cfg.init_fn, cfg.collate_fn = startup.load(cfg.shared)
+            continue
+        try:
+            cfg.dataset, cfg.init_fn, cfg.collate_fn = copy.deepcopy(
+                (first.dataset, first.init_fn, first.collate_fn))
+        except Exception as e:
+            errors[-1] = TypeError(
+                f"PoolLoader(node_workers=...): logical worker {cfg.worker_id} shares a process "
+                f"with worker {first.worker_id} and needs its own copy of the dataset "
+                f"({type(first.dataset).__module__}.{type(first.dataset).__qualname__}), its "
+                f"worker_init_fn and collate_fn, as every DataLoader worker has one, but "
+                f"copy.deepcopy failed: {type(e).__name__}: {e}. Make them copyable (e.g. open "
+                "files or connections lazily, in worker_init_fn or on first use), or pass "
+                "node_workers=None (one process per worker).")
+            cfg.dataset, cfg.init_fn, cfg.collate_fn = first.dataset, None, first.collate_fn
+    return errors
+
+
+def _poll(workers: list[LogicalWorker], start: int) -> tuple[int, int] | None:
+    """(position in `workers`, slot) of the first pending request, looking from
+    `start` round robin; None if none is pending. Raises RingClosed (shutdown)."""
+    n = len(workers)
+    for k in range(n):
+        i = (start + k) % n
+        slot = workers[i].request_ring.try_pop()
+        if slot is not None:
+            return i, slot
+    return None
+
+
+def worker_loop(cfg: WorkerConfig, *hosted: WorkerConfig) -> None:
+    """One worker process: logical worker `cfg` alone (the default), or with the
+    logical workers `hosted` too (PoolLoader(node_workers=): this process then waits on
+    its request doorbell and serves their requests round robin)."""
+    cfgs = (cfg, *hosted)
     slots = None
     try:
         if cfg.shared is not None:  # before attaching: main frees it once all have replied
@@ -87,62 +296,43 @@ def worker_loop(cfg: WorkerConfig) -> None:
         stall.install_dumper(cfg.worker_id)  # before anything that may block: init_fn, imports
         torch.multiprocessing._set_thread_name("pt_data_worker")
         torch.set_num_threads(1)
-        seed = cfg.base_seed + cfg.worker_id
-        random.seed(seed)
-        torch.manual_seed(seed)
-        try:
-            import numpy as np
-            np.random.seed(_generate_state(cfg.base_seed, cfg.worker_id))
-        except ImportError:
-            pass
-        dataset = cfg.dataset
-        if isinstance(dataset, IterDataPipe):
-            # as DataLoader's worker: the pipe's shuffles draw from the epoch's shared seed
-            if cfg.shared_seed is None:
-                raise RuntimeError("internal error: an IterDataPipe worker without a shared seed")
-            dataset = apply_random_seed(dataset, torch.Generator().manual_seed(cfg.shared_seed))
-        torch_worker._worker_info = WorkerInfo(
-            id=cfg.worker_id, num_workers=cfg.num_workers, seed=seed, dataset=dataset)
+        copy_errors = _own_copies(cfgs) if hosted else [None]
 
-        slots = WorkerSlots(cfg.pool, cfg.worker_id)
+        slots = WorkerSlots(cfg.pool, cfg.worker_id, tuple(c.worker_id for c in cfgs))
         parent_process_through(slots)  # parent_process().is_alive(), as DataLoader's
         control = slots.control
-        request_ring = control.request_rings[cfg.worker_id]
-        done_ring = control.done_rings[cfg.worker_id]
         doorbell = control.doorbell
+        bell = control.request_doorbells[cfg.host] if hosted else None
 
-        # torch's default collate gives the same result stacked into the slot.
-        collate_fn = cfg.collate_fn
-        if collate_fn is default_collate:
-            collate_fn = filling.slot_collate
-
-        def new_fetcher():
-            return _DatasetKind.create_fetcher(
-                cfg.dataset_kind, dataset, cfg.auto_collation, collate_fn, cfg.drop_last)
-
-        init_exception = None
-        fetcher = None
-        progress = WorkerProgress(cfg.resume, dataset, cfg.dataset_kind == _DatasetKind.Iterable,
-                                  cfg.snapshot_every, cfg.num_workers)
-        try:
-            if cfg.init_fn is not None:
-                cfg.init_fn(cfg.worker_id)
-            fetcher = progress.first_fetcher(new_fetcher)
-        except Exception:
-            init_exception = ExceptionWrapper(where=f"in DataLoader worker process {cfg.worker_id}")
-        stall.check_handler()  # init_fn may have taken the stack signal for itself
-
+        workers: list[LogicalWorker] = []
+        for c, copy_error in zip(cfgs, copy_errors):
+            if workers:
+                workers[-1].leave()
+            workers.append(LogicalWorker(c, control, copy_error))
+        current = workers[-1]
+        only = workers[0] if not hosted else None
         writer = codec.SlotWriter()
-        epoch = 0
-        iteration_end = False
-        # slot -> (payload, status, resume record) awaiting a bigger slot
-        pending: dict[int, tuple[Any, int, bytes]] = {}
+        start = 0  # where the round robin over `workers` looks first
 
-        my_stats = control.worker_stats[cfg.worker_id]
         idle_since = time.perf_counter_ns()
         while True:
             try:
-                slot = request_ring.pop(timeout=WORKER_TICK)
+                if only is not None:
+                    lw, slot = only, only.request_ring.pop(timeout=WORKER_TICK)
+                else:
+                    got = _poll(workers, start)
+                    if got is None:
+                        # tokens of requests found on a poll are left on the bell; drop
+                        # them, then look once more, so the wait below sleeps
+                        while bell.wait(0.0):  # type: ignore[union-attr]
+                            pass
+                        got = _poll(workers, start)
+                    if got is None:
+                        if not bell.wait(WORKER_TICK):  # type: ignore[union-attr]
+                            raise RingTimeout("no request within the tick")
+                        continue
+                    i, slot = got
+                    lw, start = workers[i], (i + 1) % len(workers)
             except RingTimeout:
                 if not _parent_alive(slots):
                     slots.unlink_all()
@@ -152,70 +342,22 @@ def worker_loop(cfg: WorkerConfig) -> None:
                 continue
             except RingClosed:
                 return
+            if lw is not current:
+                current.leave()
+                lw.enter()
+                current = lw
+            my_stats = lw.stats
             busy_since = time.perf_counter_ns()
-            my_stats[2] += busy_since - idle_since
+            my_stats[2] += busy_since - idle_since  # the process's wait, for the worker it served
             my_stats[3] = stall.busy_stamp(slot, busy_since)  # for a stall report, read only then
-            mapping = _sync(slots, writer, slot)
-            header = fmt.header_view(mapping)
-            fresh = slot in pending  # a payload waiting for this (now bigger) slot
-            if fresh:
-                payload, status, state = pending.pop(slot)
-            else:
-                req_epoch = fmt.request_epoch(header)
-                if req_epoch != epoch:
-                    epoch = req_epoch
-                    iteration_end = False
-                    if isinstance(dataset, IterDataPipe):  # DataLoader's _ResumeIteration
-                        dataset = apply_random_seed(dataset, torch.Generator().manual_seed(
-                            fmt.request_shared_seed(header)))
-                    if init_exception is None:
-                        try:  # an IterableDataset's __iter__ runs here
-                            fetcher = progress.epoch_fetcher(new_fetcher)
-                        except Exception:
-                            fetcher = None
-                            init_exception = ExceptionWrapper(
-                                where=f"in DataLoader worker process {cfg.worker_id}")
-                payload, status = None, fmt.ST_END
-                if not iteration_end:
-                    writer.begin(mapping, slot)
-                    filling.set_writer(writer)
-                    try:
-                        if init_exception is not None:
-                            payload, status = init_exception, fmt.ST_ERROR
-                            init_exception = None
-                        elif fetcher is None:  # its epoch's __iter__ failed: nothing more
-                            raise StopIteration
-                        else:
-                            index = fmt.read_request(mapping, header)
-                            progress.fetched += 1
-                            payload, status = fetcher.fetch(index), fmt.ST_READY
-                    except StopIteration:
-                        if cfg.dataset_kind != _DatasetKind.Iterable:
-                            payload = ExceptionWrapper(where=f"in DataLoader worker process {cfg.worker_id}")
-                            status = fmt.ST_ERROR
-                        else:
-                            iteration_end = True
-                    except Exception:
-                        payload = ExceptionWrapper(where=f"in DataLoader worker process {cfg.worker_id}")
-                        status = fmt.ST_ERROR
-                    finally:
-                        filling.set_writer(None)
-                try:
-                    state = progress.capture(fetcher, fmt.request_seq(header)) if cfg.capture else b""
-                except Exception:  # e.g. the dataset's state_dict(): reported like a fetch error
-                    payload = ExceptionWrapper(where=f"in DataLoader worker process {cfg.worker_id}")
-                    status, state = fmt.ST_ERROR, b""
-            if status == fmt.ST_END:
-                _publish_end(mapping, header, slot, state, pending)
-            else:
-                _publish(writer, mapping, header, slot, payload, status, state, pending,
-                         cfg.worker_id, fresh)
-            del payload
+            status = lw.serve(slots, writer, slot)
             idle_since = time.perf_counter_ns()
-            if status != fmt.ST_END and slot not in pending:
+            if status != fmt.ST_END and slot not in lw.pending:
                 my_stats[0] += 1  # a batch (or error) published, not a request to grow
             my_stats[1] += idle_since - busy_since
-            done_ring.push(slot, timeout=None)
+            if only is None:
+                my_stats[3] = 0  # off it: the process moves on to another logical worker
+            lw.done_ring.push(slot, timeout=None)
             doorbell.ring()
     except KeyboardInterrupt:
         pass
