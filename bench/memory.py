@@ -6,9 +6,11 @@ the other, the order rotated per repetition, as bench/throughput.py does):
 
   (a) arrays, under forkserver and spawn: a dataset holding a `--array-mib` MiB numpy
       array and a `--tensor-mib` MiB tensor, each item a row of both at a random
-      place. DataLoader pickles the dataset into every worker, each unpickling its own
-      copy. Measured: `pss_mib`, the sum of the workers' PSS (/proc/<pid>/smaps_rollup)
-      after one epoch (persistent workers, read while they wait for the next one), and
+      place. DataLoader pickles the dataset into every worker: each unpickles its own
+      copy of the numpy array, while torch's ForkingPickler moves the tensor into shared
+      memory once (so DataLoader's workers already share the tensor). Measured:
+      `pss_mib`, the sum of the workers' PSS (/proc/<pid>/smaps_rollup) after one epoch
+      (persistent workers, read while they wait for the next one), and
       `first_s`, seconds from iter() to the first batch. Arms: DataLoader, PoolLoader
       (this tree), PoolLoader at `--baseline` (default bea7503; built with
       `common.baseline_tree`; `--baseline ''` leaves it out).

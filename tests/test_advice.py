@@ -63,7 +63,7 @@ def test_slow_consumer_says_the_training_step_is_the_bottleneck():
     wait, busy = check_common(stats, advice)
     assert advice.verdict == "consumer", advice.text
     assert wait < WAIT_BOUND and busy < IDLE_BELOW
-    assert (f"workers were idle {pct(1 - busy)} and main waited only {pct(wait)}: "
+    assert (f"workers were idle {pct(1 - busy)} and main waited only {pct(wait)} in the steady state: "
             "the training step is the bottleneck") in advice.text
     assert "fewer workers would do: with num_workers=1 instead of 2 they would be busy about " \
         f"{pct(2 * busy)}" in advice.text
@@ -79,7 +79,7 @@ def test_balanced_says_keep_it():
     wait, busy = check_common(stats, advice)
     assert advice.verdict == "balanced", advice.text
     assert wait < WAIT_BOUND and busy >= IDLE_BELOW
-    assert (f"main waited only {pct(wait)} and workers were busy {pct(busy)}: the loader "
+    assert (f"main waited only {pct(wait)} in the steady state and workers were busy {pct(busy)}: the loader "
             "keeps up with the training step") in advice.text
     assert "keep num_workers=2" in advice.text
 

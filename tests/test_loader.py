@@ -168,7 +168,9 @@ def test_parent_sentinel_in_a_worker_is_ready_only_once_main_died(tmp_path, how)
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         waiting = tmp_path / "result.waiting"
-        assert wait_until(waiting.exists, 120), "the worker never fetched"
+        # the file exists before its text is written: wait for the text
+        assert wait_until(lambda: waiting.exists() and waiting.read_text() != "", 120), \
+            "the worker never fetched"
         assert waiting.read_text() == "False"  # not ready while main lives
         assert not out.exists()
     finally:

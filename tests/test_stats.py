@@ -153,9 +153,16 @@ def test_memory_sums_smaps_where_smaps_rollup_is_missing(tmp_path):
     for _ in it:
         pass
     pid = it.worker_pids[0]  # idle: waiting for the next epoch's requests
-    with open(f"/proc/{pid}/smaps") as f:
-        smaps = f.read()
-    rollup = memory.read_process(pid)
+    # Pages move between private and shared as other processes (other tests' too) map
+    # or drop what the worker maps: take a smaps copy between two equal rollups.
+    for _ in range(50):
+        before = memory.read_process(pid)
+        with open(f"/proc/{pid}/smaps") as f:
+            smaps = f.read()
+        rollup = memory.read_process(pid)
+        if rollup == before:
+            break
+        time.sleep(0.05)
     (tmp_path / str(pid)).mkdir()
     (tmp_path / str(pid) / "smaps").write_text(smaps)
     summed = memory.read_process(pid, proc=str(tmp_path))

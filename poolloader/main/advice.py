@@ -111,7 +111,7 @@ def advise(stats, cores: int | None = None) -> Advice:
         verdict = "consumer"
         fewer = max(1, math.ceil(m * b_share / BUSY_BOUND))
         line = (f"workers were idle {_pct(1 - b_share)} and main waited only "
-                f"{_pct(w_share)}: the training step is the bottleneck "
+                f"{_pct(w_share)} in the steady state: the training step is the bottleneck "
                 f"({step_ms:.1f} ms per batch, a worker needs {worker_ms:.1f} ms)")
         if fewer < m:
             line += (f"; fewer workers would do: with num_workers={fewer} instead of {m} "
@@ -122,8 +122,8 @@ def advise(stats, cores: int | None = None) -> Advice:
         spare = "little to spare: fewer workers would make main wait" \
             if b_share >= BUSY_BOUND else f"{_pct(1 - b_share)} of worker time to spare"
         said.append(
-            f"main waited only {_pct(w_share)} and workers were busy {_pct(b_share)}: the "
-            f"loader keeps up with the training step with {spare}; keep num_workers={m}")
+            f"main waited only {_pct(w_share)} in the steady state and workers were busy "
+            f"{_pct(b_share)}: the loader keeps up with the training step with {spare}; keep num_workers={m}")
     if h_share < HANDOFF_SMALL:
         said.append(f"the hand-off is {_pct(h_share)} of step time "
                     f"({1e3 * handoff / n:.2f} ms per batch): pinning/packing would not help")
