@@ -89,7 +89,17 @@ class PoolLoader(DataLoader[T_co]):
                   Fewer processes, so at most P batches are produced at once.
                   Under fork the dataset is deep-copied once per extra logical
                   worker in its process (an error says so if it cannot be).
-                  `worker_pids` lists the P processes.
+                  `worker_pids` lists the P processes. With node_pool, the
+                  node's processes (1 to num_workers × local ranks).
+      node_pool   True: under torchrun with 2 or more local ranks, the loaders of
+                  the local ranks (built in the same order, with the same dataset,
+                  collate_fn, batch_size, drop_last, num_workers, node_workers)
+                  share one set of node_workers processes (default num_workers),
+                  hosted by local rank 0; each rank keeps its own sampler, order,
+                  pool, resume state, and gets bit for bit its own DataLoader's
+                  batches (docs/node.md). Without torchrun (or with one local
+                  rank) an ordinary loader. None (default): the POOLLOADER_NODE_POOL
+                  environment variable (1 or 0; unset: False).
     Nothing is created until the loader is iterated. `stats` holds counters;
     `stats.advice()` reads them: which side is the bottleneck, what to change.
 
@@ -106,7 +116,7 @@ class PoolLoader(DataLoader[T_co]):
                  in_order=True, slot_bytes=DEFAULT_SLOT_BYTES, slots=None, max_slots=None,
                  shm_limit=None, device=None, shm_backend=None,
                  stall_warning=DEFAULT_STALL_WARNING_S, stateful=True,
-                 snapshot_every_n_steps=None, node_workers=None):
+                 snapshot_every_n_steps=None, node_workers=None, node_pool=None):
         super().__init__(
             dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
             batch_sampler=batch_sampler, num_workers=num_workers, collate_fn=collate_fn,
@@ -140,13 +150,18 @@ class PoolLoader(DataLoader[T_co]):
                 or snapshot_every_n_steps < 1):
             raise ValueError(f"snapshot_every_n_steps must be a positive number of steps or None, "
                              f"got {snapshot_every_n_steps!r}")
+        from poolloader.main import node
+        group = node.local_group() if node.wanted(node_pool) and self.num_workers else None
+        # the node's processes host every local rank's num_workers logical workers
+        most = self.num_workers * (group[1] if group else 1)
         if node_workers is not None and (isinstance(node_workers, bool)
                                          or not isinstance(node_workers, int)
-                                         or not 1 <= node_workers <= self.num_workers):
+                                         or not 1 <= node_workers <= most):
             raise ValueError(
                 f"node_workers={node_workers!r}: the number of processes hosting the "
-                f"num_workers={self.num_workers} workers must be an int from 1 to "
-                f"num_workers ({self.num_workers}), or None (one process per worker)"
+                f"num_workers={self.num_workers} workers"
+                + (f" of each of the {group[1]} local ranks" if group else "")
+                + f" must be an int from 1 to {most}, or None (one process per worker)"
                 + ("; with num_workers=0 no worker process runs at all: leave node_workers "
                    "None" if self.num_workers == 0 else ""))
         self.node_workers = node_workers
@@ -162,7 +177,12 @@ class PoolLoader(DataLoader[T_co]):
         self.shm_backend = shm_backend
         self.device = device
         self.stall_warning = stall_warning
+        self.node_pool = node_pool
         self.stats = LoaderStats()
+        self._node = None  # poolloader.main.node: this loader's node pool, if it has one
+        if group is not None:
+            ctx = self.multiprocessing_context or torch.multiprocessing
+            self._node = node.join(self, ctx, node_workers or self.num_workers, group)
         self._resume_plan = None     # a loaded state for the next iterator
         self._resume_tracker = None  # the latest iterator's progress (state_dict())
         self._warned_stateless = False

@@ -189,3 +189,14 @@ def uss(pid="self") -> int:
             if line.startswith(("Private_Clean:", "Private_Dirty:")):
                 total += int(line.split()[1]) * 1024  # kB
     return total
+
+
+def wait_gone(pids, timeout: float) -> bool:
+    """Wait (at most `timeout` s) until none of `pids` runs; whether none does."""
+    import time
+    deadline = time.monotonic() + timeout
+    while any(pid_running(pid) for pid in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True

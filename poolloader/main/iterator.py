@@ -45,7 +45,7 @@ from poolloader.shm.control import hosted_by
 from poolloader.shm.pool import SlotPool
 from poolloader.wire import codec
 from poolloader.wire import slot_format as fmt
-from poolloader.worker.loop import WorkerConfig, worker_loop
+from poolloader.worker.loop import RANK_VARIABLES, WorkerConfig, worker_loop
 from poolloader.worker.popen import start_without_pipes
 
 # torch's samplers whose every index is a Python int (exact types: a subclass may differ)
@@ -87,6 +87,9 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         self._owner_pid = os.getpid()
         self._workers: list = []  # logical worker i's process (node_workers: shared)
         self._request_bells: list | None = None
+        # PoolLoader(node_pool=True) under torchrun: the node's processes host the
+        # logical workers (poolloader.main.node); None: this iterator starts its own
+        self._node = getattr(loader, "_node", None)
         # set below; None only while __init__ has not made them (a failed start)
         self._pool: SlotPool = None  # type: ignore[assignment]
         self._ledger: SlotLedger = None  # type: ignore[assignment]
@@ -109,6 +112,8 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         # node_workers=P < n: P processes host the n logical workers (worker i in
         # process hosted_by(i, P)); 0: one process per worker
         hosts = loader.node_workers if loader.node_workers not in (None, n) else 0
+        if self._node is not None:
+            hosts = 0  # the node's processes wait on the node segment's doorbells
         size = plan_sizes(loader, gated=self._gate is not None)
         self._epoch = 0
         # state_dict()/load_state_dict(): takes the base seed of a loaded state, if any
@@ -125,12 +130,16 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
             hosts=hosts)
         self._ledger = SlotLedger(self._pool, self._stats, self._gate, size.capacity)
         self._shutdown = False
+        if self._node is not None:
+            self._node.acquire()  # released by the teardown's last step (_leave_node)
         self._teardown_left = self._TEARDOWN
         try:
             self._request_rings = self._pool.control.request_rings
             # per logical worker, the doorbell its host waits on (node_workers), else None
             bells = self._pool.control.request_doorbells
             self._request_bells = [bells[hosted_by(i, hosts)] for i in range(n)] if hosts else None
+            if self._node is not None:
+                self._request_bells = self._node.bells(n)  # in the node segment
             inflight = self._ledger.inflight
             self._replies = supervise.Replies(self._pool.control, self._workers, self._timeout,
                                               self._stats, on_tick=self._pool.unlink_mapped,
@@ -147,8 +156,10 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                                             self._world_size, self._rank)
             # spawn / forkserver: the dataset, init_fn and collate_fn are pickled once
             # into shared memory, not once per worker (poolloader.main.startup)
+            # (always with a node pool: the node's processes load every rank's from there)
             shared = startup.share((self._dataset, init_fn, self._collate_fn)) \
-                if n and startup.shares(ctx, self._pool.backend) else None
+                if n and (self._node is not None or startup.shares(ctx, self._pool.backend)) \
+                else None
             self._shared_start = shared
             self._unheard = set(range(n)) if shared is not None else set()
             cfgs = []
@@ -163,10 +174,15 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                     pool=self._pool.locator, resume=self._resume.worker_plan(i),
                     shared=shared.ticket if shared else None, shared_seed=self._shared_seed,
                     capture=loader.stateful, snapshot_every=self._resume.snapshot_every,
-                    host=hosted_by(i, hosts) if hosts else 0))
-                if not hosts:
+                    host=hosted_by(i, hosts) if hosts else 0,
+                    environ=None if self._node is None else {
+                        name: os.environ[name] for name in RANK_VARIABLES if name in os.environ}))
+                if not hosts and self._node is None:
                     self._workers.append(start_without_pipes(ctx, worker_loop, (cfgs[i],)))
-            if hosts:
+            if self._node is not None:
+                self._node.attach(cfgs)
+                self._workers.extend(self._node.processes(n))
+            elif hosts:
                 # self._workers[i] is logical worker i's process, one object per process
                 processes = [start_without_pipes(ctx, worker_loop, tuple(cfgs[h::hosts]))
                              for h in range(hosts)]
@@ -569,7 +585,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
     # The teardown steps, in order (methods below).
     _TEARDOWN = ("_note_memory", "_close_requests", "_stop_workers", "_close_shared_start",
                  "_close_replies", "_close_stager", "_close_ledger", "_detach_stats",
-                 "_close_pool", "_untrack")
+                 "_close_pool", "_untrack", "_leave_node")
 
     def _shutdown_workers(self) -> None:
         """The one place that stops everything, in order: close the request rings
@@ -609,7 +625,8 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
             self._request_bells = None
 
     def _stop_workers(self) -> None:
-        supervise.stop(self._workers)
+        if self._node is None:  # a node pool's processes go on serving the other ranks
+            supervise.stop(self._workers)
 
     def _close_shared_start(self) -> None:
         if self._shared_start is not None:
@@ -640,6 +657,11 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
 
     def _untrack(self) -> None:
         supervise.untrack(self)
+
+    def _leave_node(self) -> None:
+        node, self._node = self._node, None
+        if node is not None:
+            node.release()
 
     def shutdown_at_exit(self) -> None:
         """What supervise.track's exit handler (and the finaliser) calls: no CUDA call

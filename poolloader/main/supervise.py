@@ -106,6 +106,9 @@ def check_alive(processes, owed=()) -> None:
             code = w.exitcode
             hosted = [k for k, p in enumerate(processes) if p is w]
             i = next((k for k in owed if k in hosted), first)
+            death = getattr(w, "death", None)  # a node pool's process (poolloader.main.node)
+            if death is not None:
+                raise WorkerDied(death(i))
             where = ""
             if len(hosted) > 1:
                 where = (f", the process hosting workers {', '.join(map(str, hosted))} "

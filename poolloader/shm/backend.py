@@ -121,6 +121,10 @@ class WorkerSide(Protocol):
     def orphaned(self) -> None:
         """Main died: remove whatever it left that outlives processes."""
 
+    def close(self) -> None:
+        """Close this attachment's own descriptor (a node pool's process leaves a rank's
+        pool while it goes on living). The mappings are the caller's."""
+
 
 class Backend(Protocol):
     """What each module in poolloader.shm.backends exposes (module docstring)."""
@@ -201,16 +205,22 @@ class _Flock(ctypes.Structure):
                 ("l_start", ctypes.c_int64), ("l_len", ctypes.c_int64), ("l_pid", ctypes.c_int)]
 
 
-def _ofd_lock(fd: int, command: int) -> _Flock:
-    """A write lock over the whole file: set it (F_OFD_SETLK) or test for one (F_OFD_GETLK)."""
-    request = _Flock(fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)
+def _ofd_lock(fd: int, command: int, start: int = 0, length: int = 0) -> _Flock:
+    """A write lock over `length` bytes from `start` (0: to the end of the file, so the
+    whole file by default): set it (F_OFD_SETLK) or test for one (F_OFD_GETLK)."""
+    request = _Flock(fcntl.F_WRLCK, os.SEEK_SET, start, length, 0)
     return _Flock.from_buffer_copy(fcntl.fcntl(fd, command, bytes(request)))
 
 
-def take_owner_lock(fd: int) -> bool:
-    """Take the owner lock on `fd`'s open file description; False if someone holds it."""
+def take_owner_lock(fd: int, byte: int | None = None) -> bool:
+    """Take the owner lock on `fd`'s open file description; False if someone holds it.
+    `byte`: lock that one byte of the file only (several owners of one segment, each
+    its own byte: poolloader.shm.node), else the whole file."""
     try:
-        _ofd_lock(fd, fcntl.F_OFD_SETLK)
+        if byte is None:
+            _ofd_lock(fd, fcntl.F_OFD_SETLK)
+        else:
+            _ofd_lock(fd, fcntl.F_OFD_SETLK, byte, 1)
     except OSError as e:
         if e.errno in (errno.EAGAIN, errno.EACCES):
             return False
@@ -221,9 +231,12 @@ def take_owner_lock(fd: int) -> bool:
     return True
 
 
-def owner_lock_held(fd: int) -> bool:
-    """Whether another open file description holds a lock on `fd`'s file."""
-    return _ofd_lock(fd, fcntl.F_OFD_GETLK).l_type != fcntl.F_UNLCK
+def owner_lock_held(fd: int, byte: int | None = None) -> bool:
+    """Whether another open file description holds a lock on `fd`'s file (`byte`: on
+    that byte of it)."""
+    if byte is None:
+        return _ofd_lock(fd, fcntl.F_OFD_GETLK).l_type != fcntl.F_UNLCK
+    return _ofd_lock(fd, fcntl.F_OFD_GETLK, byte, 1).l_type != fcntl.F_UNLCK
 
 
 def release_owner_lock(fd: int) -> None:

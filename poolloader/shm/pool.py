@@ -443,6 +443,15 @@ class WorkerSlots:
         """ids of the mappings this worker holds as current (SlotWriter.forget_stale)."""
         return {id(m) for _, m in self.mappings.values()}
 
+    def close(self) -> None:
+        """Leave the pool while this process goes on (a node pool's process, when the
+        rank's iterator ends or the rank dies): its mappings are dropped with this
+        object; its descriptor of the control segment is closed now."""
+        self.mappings = {}
+        self.control.close_views()
+        self.attachment.close()
+        self.attachment.control_mapping = None  # type: ignore[assignment]
+
     def unlink_all(self) -> None:
         """The parent died: remove whatever it left that outlives processes (POSIX names;
         nothing for memfd)."""

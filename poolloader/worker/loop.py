@@ -12,6 +12,7 @@ ExceptionWrapper.
 from __future__ import annotations
 
 import copy
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -36,6 +37,11 @@ from poolloader.worker.popen import parent_process_through
 
 # How often an idle worker checks that its parent is alive (seconds).
 WORKER_TICK = 0.25
+# What torchrun tells each rank about itself: a node pool's process (poolloader.worker.node)
+# serves several ranks, so each logical worker carries its rank's values and sets them
+# while it runs, as a DataLoader worker inherits them from its rank.
+RANK_VARIABLES = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "WORLD_SIZE",
+                  "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "ROLE_NAME")
 
 
 @dataclass
@@ -60,6 +66,8 @@ class WorkerConfig:
     # doorbell in the control block); unused when the worker is its own process
     host: int = 0
     snapshot_every: int = 1  # PoolLoader(snapshot_every_n_steps=): see resume.keys.WorkerProgress
+    # a node pool's: the rank's RANK_VARIABLES, set in os.environ while this worker runs
+    environ: dict | None = None
 
 
 def _parent_alive(slots: WorkerSlots) -> bool:
@@ -108,6 +116,7 @@ class LogicalWorker:
         self.cfg = cfg
         self.id = cfg.worker_id
         self.where = f"in DataLoader worker process {cfg.worker_id}"
+        self._set_environ()
         seed = cfg.base_seed + cfg.worker_id
         random.seed(seed)
         torch.manual_seed(seed)
@@ -167,9 +176,21 @@ class LogicalWorker:
         self.rng = (random.getstate(), torch.get_rng_state(),
                     np.random.get_state() if np is not None else None)
 
+    def _set_environ(self) -> None:
+        environ = self.cfg.environ
+        if environ is not None:
+            for name in RANK_VARIABLES:
+                value = environ.get(name)
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
     def enter(self) -> None:
-        """Make this logical worker the process's: its WorkerInfo, its RNG states."""
+        """Make this logical worker the process's: its WorkerInfo, its RNG states (and,
+        in a node pool, its rank's RANK_VARIABLES)."""
         torch_worker._worker_info = self.info
+        self._set_environ()
         if self.rng is not None:
             py_state, torch_state, np_state = self.rng
             self.rng = None
@@ -242,6 +263,37 @@ class LogicalWorker:
         return status
 
 
+def prepare_process(worker_id: int) -> None:
+    """What a DataLoader worker process sets up first: its signal handlers, its thread
+    name, one intra-op thread; and the stack dumper of stall reports (before anything
+    that may block: init_fn, imports)."""
+    signal_handling._set_worker_signal_handlers()
+    stall.install_dumper(worker_id)
+    torch.multiprocessing._set_thread_name("pt_data_worker")
+    torch.set_num_threads(1)
+
+
+def serve_request(lw: LogicalWorker, slots: WorkerSlots, writer: codec.SlotWriter, slot: int,
+                  idle_since: int, shared: bool) -> int:
+    """Serve the request in `slot` (popped from `lw`'s ring; `lw` entered), count it in
+    its worker stats and push the slot to its done ring (the caller rings the doorbell).
+    `idle_since`: when the process last finished something; returns when it finished
+    this one. `shared`: the process hosts other logical workers too."""
+    my_stats = lw.stats
+    busy_since = time.perf_counter_ns()
+    my_stats[2] += busy_since - idle_since  # the process's wait, for the worker it served
+    my_stats[3] = stall.busy_stamp(slot, busy_since)  # for a stall report, read only then
+    status = lw.serve(slots, writer, slot)
+    idle_since = time.perf_counter_ns()
+    if status != fmt.ST_END and slot not in lw.pending:
+        my_stats[0] += 1  # a batch (or error) published, not a request to grow
+    my_stats[1] += idle_since - busy_since
+    if shared:
+        my_stats[3] = 0  # off it: the process moves on to another logical worker
+    lw.done_ring.push(slot, timeout=None)
+    return idle_since
+
+
 def _own_copies(cfgs: tuple[WorkerConfig, ...]) -> list[BaseException | None]:
     """Give every logical worker after the first its own dataset, worker_init_fn and
     collate_fn, as each DataLoader worker has: unpickled once more from the shared start
@@ -292,10 +344,7 @@ def worker_loop(cfg: WorkerConfig, *hosted: WorkerConfig) -> None:
     try:
         if cfg.shared is not None:  # before attaching: main frees it once all have replied
             cfg.dataset, cfg.init_fn, cfg.collate_fn = startup.load(cfg.shared)
-        signal_handling._set_worker_signal_handlers()
-        stall.install_dumper(cfg.worker_id)  # before anything that may block: init_fn, imports
-        torch.multiprocessing._set_thread_name("pt_data_worker")
-        torch.set_num_threads(1)
+        prepare_process(cfg.worker_id)
         copy_errors = _own_copies(cfgs) if hosted else [None]
 
         slots = WorkerSlots(cfg.pool, cfg.worker_id, tuple(c.worker_id for c in cfgs))
@@ -346,18 +395,7 @@ def worker_loop(cfg: WorkerConfig, *hosted: WorkerConfig) -> None:
                 current.leave()
                 lw.enter()
                 current = lw
-            my_stats = lw.stats
-            busy_since = time.perf_counter_ns()
-            my_stats[2] += busy_since - idle_since  # the process's wait, for the worker it served
-            my_stats[3] = stall.busy_stamp(slot, busy_since)  # for a stall report, read only then
-            status = lw.serve(slots, writer, slot)
-            idle_since = time.perf_counter_ns()
-            if status != fmt.ST_END and slot not in lw.pending:
-                my_stats[0] += 1  # a batch (or error) published, not a request to grow
-            my_stats[1] += idle_since - busy_since
-            if only is None:
-                my_stats[3] = 0  # off it: the process moves on to another logical worker
-            lw.done_ring.push(slot, timeout=None)
+            idle_since = serve_request(lw, slots, writer, slot, idle_since, shared=only is None)
             doorbell.ring()
     except KeyboardInterrupt:
         pass

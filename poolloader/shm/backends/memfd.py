@@ -471,3 +471,8 @@ class Attachment:
     def orphaned(self) -> None:
         """Main died: nothing to remove, the segments have no names; the kernel frees
         them when the last process that maps one exits."""
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            os.close(fd)

@@ -312,3 +312,8 @@ class Attachment:
         could have overwritten."""
         for name in pool_names(self.prefix):
             unlink_quietly(name)
+
+    def close(self) -> None:
+        if self._lock_fd >= 0:
+            fd, self._lock_fd = self._lock_fd, -1
+            os.close(fd)

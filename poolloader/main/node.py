@@ -1,0 +1,492 @@
+"""One pool per node: PoolLoader(node_pool=True) under torchrun.
+
+The local ranks' node-pool loaders, built in the same order on every rank, meet: the
+k-th one of local rank 0 is the *host*; it starts the node's physical worker
+processes (poolloader.worker.node: P = node_workers, default num_workers) and
+listens; the k-th one of every other local rank connects. A rank keeps everything
+that makes its batches its own (its sampler, order, pool, ledger, resume state,
+CUDA registration): only the processes that run its logical workers are shared. Its
+iterator sends the host its logical workers' configs (its pool's locator and its
+pickled start payload: a few integers each), the host forwards them to the physical
+processes, and from then on requests and replies go through the rank's own rings as
+with any PoolLoader; a physical process waits on its doorbell in the node segment
+(poolloader.shm.node), which every rank rings.
+
+Rendezvous: an abstract Unix socket (nothing in /dev/shm or on disk; it goes with the
+host) named from the user id, the PID namespace, torchrun's run id and node rank, and
+k. Another job, another user or another PID namespace never meets it, and both ends
+check the other's uid (SO_PEERCRED) before anything is unpickled. A rank whose loader
+differs from the host's in dataset, length, collate_fn, batch_size, drop_last,
+num_workers or node_workers is refused, with the difference named, while its loader
+is built.
+
+Placement: logical worker i of local rank r runs in process (r × num_workers + i) % P;
+a process serves its logical workers round robin, one request each (no rank starves).
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import pickle
+import selectors
+import socket
+import struct
+import threading
+import time
+import weakref
+
+from poolloader.errors import WorkerDied
+from poolloader.main import supervise
+from poolloader.shm import fork
+from poolloader.shm.node import NodeSegment
+from poolloader.worker.node import node_loop
+from poolloader.worker.popen import start_without_pipes
+
+NODE_POOL_ENV = "POOLLOADER_NODE_POOL"
+TIMEOUT_ENV = "POOLLOADER_NODE_TIMEOUT"
+# How long a rank waits for local rank 0's loader to listen, and the host for its
+# physical processes to start (seconds; TIMEOUT_ENV overrides).
+RENDEZVOUS_TIMEOUT = 120.0
+# How long the host, once its own loader and iterators are gone, waits for every other
+# local rank to have come and let go of its loader before it stops the node's
+# processes (seconds).
+LINGER_S = 10.0
+_ordinal = itertools.count()  # node-pool loaders built in this process
+_iterators = itertools.count()  # iterators attached from this process (group keys)
+
+
+def wanted(node_pool) -> bool:
+    """PoolLoader(node_pool=): True/False, or None: the POOLLOADER_NODE_POOL variable."""
+    if node_pool is None:
+        value = os.environ.get(NODE_POOL_ENV, "").strip().lower()
+        if value in ("", "0", "false", "no", "off"):
+            return False
+        if value in ("1", "true", "yes", "on"):
+            return True
+        raise ValueError(f"{NODE_POOL_ENV}={value!r}: use 1 or 0")
+    if not isinstance(node_pool, bool):
+        raise ValueError(f"node_pool must be True, False or None, got {node_pool!r}")
+    return node_pool
+
+
+def local_group() -> tuple[int, int, str] | None:
+    """(local rank, local world size, run key) under torchrun with 2 or more local ranks
+    (its LOCAL_RANK, LOCAL_WORLD_SIZE, TORCHELASTIC_RUN_ID and GROUP_RANK); None
+    otherwise, where node_pool=True is an ordinary PoolLoader."""
+    env = os.environ
+    try:
+        rank, size = int(env["LOCAL_RANK"]), int(env["LOCAL_WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return None
+    run_id = env.get("TORCHELASTIC_RUN_ID")
+    if not run_id or size < 2 or not 0 <= rank < size:
+        return None
+    return rank, size, f"{run_id}/{env.get('GROUP_RANK', '0')}"
+
+
+def _timeout() -> float:
+    value = os.environ.get(TIMEOUT_ENV)
+    if value is None:
+        return RENDEZVOUS_TIMEOUT
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{TIMEOUT_ENV}={value!r}: a number of seconds") from None
+
+
+def _address(run_key: str, k: int) -> bytes:
+    namespace = os.stat("/proc/self/ns/pid").st_ino
+    run = hashlib.blake2b(run_key.encode(), digest_size=8).hexdigest()
+    return f"\0poolloader-{os.getuid()}-{namespace}-{run}-{k}".encode()
+
+
+def _name(obj) -> str:
+    """module.qualname of a function, or of the class of anything else."""
+    if isinstance(obj, type) or not hasattr(obj, "__qualname__"):
+        kind = obj if isinstance(obj, type) else type(obj)
+        return f"{kind.__module__}.{kind.__qualname__}"
+    return f"{getattr(obj, '__module__', None)}.{obj.__qualname__}"
+
+
+def fingerprint(loader, processes: int) -> dict:
+    """What the local ranks' loaders must agree on to share processes."""
+    try:
+        length = len(loader.dataset)
+    except Exception:
+        length = None
+    return {"dataset": _name(type(loader.dataset)), "len(dataset)": length,
+            "collate_fn": _name(loader.collate_fn), "batch_size": loader.batch_size,
+            "drop_last": loader.drop_last, "num_workers": loader.num_workers,
+            "node_workers": processes}
+
+
+def _difference(mine: dict, theirs: dict) -> str | None:
+    for key in mine:
+        if mine[key] != theirs.get(key):
+            return f"{key}: {mine[key]!r} here, {theirs.get(key)!r} on local rank 0"
+    return None
+
+
+# -- messages: a 4-byte length, then a pickle; only between processes of one uid ------
+
+def _send(sock: socket.socket, message) -> None:
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    sock.sendall(struct.pack("!I", len(data)) + data)
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    parts, got = [], 0
+    while got < n:
+        part = sock.recv(n - got)
+        if not part:
+            raise ConnectionError("the other end closed the connection")
+        parts.append(part)
+        got += len(part)
+    return b"".join(parts)
+
+
+def _recv(sock: socket.socket):
+    (n,) = struct.unpack("!I", _recv_exactly(sock, 4))
+    return pickle.loads(_recv_exactly(sock, n))
+
+
+def _peer_uid(sock: socket.socket) -> int:
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[1]  # (pid, uid, gid)
+
+
+def _held_socket() -> socket.socket:
+    """A Unix socket a forked child closes at once (poolloader.shm.fork)."""
+    with fork.creating():
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        fork.hold(sock.fileno())
+    return sock
+
+
+def _close_socket(sock: socket.socket | None) -> None:
+    if sock is not None and sock.fileno() >= 0:
+        fork.release(sock.detach())
+
+
+class NodeProcess:
+    """A physical process of the node as a rank's iterator sees it (its `_workers`
+    entries): alive while its lock and the host's are held (poolloader.shm.node)."""
+
+    exitcode = None  # not this process's child: its exit status cannot be read here
+
+    def __init__(self, node, p: int, pid: int):
+        self._node = node
+        self.p = p
+        self.pid = pid
+
+    def is_alive(self) -> bool:
+        return self._node.host_alive() and self._node.segment.process_alive(self.p)
+
+    def death(self, worker: int) -> str:
+        """The WorkerDied message (supervise.check_alive) once is_alive() is False."""
+        node = self._node
+        if not node.host_alive():
+            return (f"PoolLoader(node_pool=True): the node pool's host, local rank 0 (pid "
+                    f"{node.host_pid}), exited, and the worker processes it hosted (pids "
+                    f"{', '.join(map(str, node.pids))}) with it; logical worker {worker} of "
+                    f"this rank was waiting on process {self.p} (pid {self.pid}). The other "
+                    "ranks cannot go on loading: see local rank 0's error.")
+        return (f"DataLoader worker (pid {self.pid}) exited unexpectedly. PoolLoader worker "
+                f"{worker} (pid {self.pid}: node pool process {self.p}, hosted by local rank 0, "
+                f"pid {node.host_pid}, for every local rank) exited unexpectedly. If it was "
+                "killed for memory (signal 9), lower num_workers or batch_size; run with "
+                "num_workers=0 to see the error in the main process.")
+
+
+class _Node:
+    """What host and client share: the segment, the processes, the placement."""
+
+    segment: NodeSegment
+    host_pid: int
+    pids: list[int]
+    local_rank: int
+
+    _users = 0  # this rank's loader and its live iterators (acquire / release)
+    _users_lock = threading.Lock()
+
+    def host_alive(self) -> bool:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def acquire(self) -> None:
+        """One more user here (the loader, an iterator); `release` when it is gone. The
+        node closes with the last one (an iterator can outlive its loader)."""
+        with self._users_lock:
+            self._users += 1
+
+    def release(self) -> None:
+        with self._users_lock:
+            self._users -= 1
+            last = self._users == 0
+        if last:
+            self.close()
+
+    def place(self, worker: int, num_workers: int) -> int:
+        """The process hosting this rank's logical worker `worker` (module docstring)."""
+        return (self.local_rank * num_workers + worker) % len(self.pids)
+
+    def processes(self, num_workers: int) -> list[NodeProcess]:
+        """One NodeProcess per logical worker (the same object for one process)."""
+        procs = self._procs
+        return [procs[self.place(i, num_workers)] for i in range(num_workers)]
+
+    def bells(self, num_workers: int) -> list:
+        return [self.segment.bells[self.place(i, num_workers)] for i in range(num_workers)]
+
+    def _made(self) -> None:
+        self._procs = [NodeProcess(self, p, pid) for p, pid in enumerate(self.pids)]
+
+    def attach(self, cfgs) -> None:
+        """Hand this rank's logical workers (`cfgs`, in worker order) to their processes."""
+        placed: dict[int, list] = {}
+        for i, cfg in enumerate(cfgs):
+            placed.setdefault(self.place(i, len(cfgs)), []).append(cfg)
+        key = (os.getpid(), next(_iterators))
+        self._forward(key, {p: tuple(c) for p, c in placed.items()})
+
+    def _forward(self, key, placed: dict) -> None:
+        raise NotImplementedError
+
+
+class NodeHost(_Node):
+    """Local rank 0's side: the physical processes, the listener, the forwarding."""
+
+    def __init__(self, ctx, processes: int, mine: dict, address: bytes, timeout: float,
+                 expected: int):
+        self.local_rank = 0
+        self.host_pid = os.getpid()
+        self._mine = mine
+        self._lock = threading.Lock()
+        self._closed = False
+        self._listener: socket.socket | None = None
+        self._clients = 0  # ranks connected (each lets go when its loader is gone)
+        self._came = 0  # ranks that connected at all
+        self._expected = expected  # the other local ranks
+        self._thread: threading.Thread | None = None
+        self._pipes: list = []
+        self._workers: list = []
+        self.segment = NodeSegment.create(processes)
+        try:
+            for p in range(processes):
+                read, write = ctx.Pipe(duplex=False)
+                self._workers.append(start_without_pipes(ctx, node_loop,
+                                                         (p, self.segment.locator, read)))
+                read.close()
+                self._pipes.append(write)
+            self.pids = [w.pid for w in self._workers]
+            self._made()
+            self._wait_started(timeout)
+            self._listener = _held_socket()
+            try:
+                self._listener.bind(address)
+            except OSError as e:
+                raise RuntimeError(
+                    f"PoolLoader(node_pool=True): local rank 0 cannot listen for the other "
+                    f"ranks ({e}): another process of this job and node already hosts a "
+                    "node pool loader under that name (a loader built twice in the same "
+                    "order?)") from None
+            self._listener.listen(64)
+            self._thread = threading.Thread(target=self._serve, name="poolloader-node-host",
+                                            daemon=True)
+            self._thread.start()
+        except BaseException:
+            self.close()
+            raise
+
+    def host_alive(self) -> bool:
+        return not self._closed  # this process: its own lock does not show to itself
+
+    def _wait_started(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for p, worker in enumerate(self._workers):
+            while not self.segment.process_alive(p):
+                if not worker.is_alive():
+                    raise WorkerDied(f"PoolLoader(node_pool=True): node pool process {p} (pid "
+                                     f"{worker.pid}) exited while starting, with "
+                                     f"{supervise.describe_exit(worker.exitcode)}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"PoolLoader(node_pool=True): node pool process {p} (pid {worker.pid}) "
+                        f"did not start within {timeout:.0f} s ({TIMEOUT_ENV} sets the limit)")
+                time.sleep(0.005)
+
+    def _forward(self, key, placed: dict) -> None:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("PoolLoader(node_pool=True): this node pool was closed")
+            for p, cfgs in placed.items():
+                self._pipes[p].send(("attach", key, cfgs))
+                self.segment.bells[p].ring()
+
+    def _serve(self) -> None:
+        """The listener thread: accept ranks, check them, forward their attachments."""
+        selector = selectors.DefaultSelector()
+        listener = self._listener
+        assert listener is not None
+        selector.register(listener, selectors.EVENT_READ)
+        try:
+            while not self._closed:
+                for key, _ in selector.select(timeout=0.25):
+                    sock = key.fileobj
+                    if sock is listener:
+                        try:
+                            conn, _ = listener.accept()
+                        except OSError:
+                            continue
+                        with fork.creating():
+                            fork.hold(conn.fileno())
+                        if _peer_uid(conn) != os.getuid():
+                            _close_socket(conn)
+                            continue
+                        conn.settimeout(30.0)
+                        selector.register(conn, selectors.EVENT_READ)
+                        self._clients += 1
+                        self._came += 1
+                        continue
+                    try:
+                        self._answer(sock, _recv(sock))  # type: ignore[arg-type]
+                    except (OSError, ConnectionError, EOFError, pickle.PickleError, ValueError):
+                        selector.unregister(sock)
+                        _close_socket(sock)  # type: ignore[arg-type]
+                        self._clients -= 1  # that rank let go (or died)
+        except (OSError, ValueError):
+            pass  # closed under the selector
+        finally:
+            for key in list(selector.get_map().values()):
+                if key.fileobj is not listener:
+                    _close_socket(key.fileobj)  # type: ignore[arg-type]
+            selector.close()
+
+    def _answer(self, sock: socket.socket, message) -> None:
+        if message[0] == "hello":
+            difference = _difference(message[1], self._mine)
+            if difference is not None:
+                _send(sock, ("refused", difference))
+            else:
+                _send(sock, ("welcome", self.segment.locator, self.pids))
+        elif message[0] == "attach":
+            self._forward(message[1], message[2])
+
+    def close(self) -> None:
+        """Stop everything, once the other ranks let go (bounded by LINGER_S): the
+        listener, the physical processes (told, then the ladder), the node segment (the
+        host's lock goes: a rank still loading sees it within a tick)."""
+        deadline = time.monotonic() + LINGER_S
+        while (self._clients > 0 or self._came < self._expected) and self._thread is not None \
+                and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for pipe in self._pipes:
+                try:
+                    pipe.send(None)
+                    pipe.close()
+                except OSError:
+                    pass
+            for bell in self.segment.bells:
+                bell.ring()
+        # the host's lock first: a rank that then finds a process gone says the host left
+        self.segment.close()
+        if self._thread is not None:
+            self._thread.join(2.0)
+        _close_socket(self._listener)
+        supervise.stop(self._workers)
+
+
+class NodeClient(_Node):
+    """Another local rank's side: connected to the host, the node segment attached."""
+
+    def __init__(self, local_rank: int, mine: dict, address: bytes, timeout: float):
+        self.local_rank = local_rank
+        self._sock: socket.socket | None = None
+        deadline = time.monotonic() + timeout
+        while True:
+            sock = _held_socket()
+            try:
+                sock.connect(address)
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                _close_socket(sock)
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"PoolLoader(node_pool=True): local rank {local_rank} found no node "
+                        f"pool to join within {timeout:.0f} s: local rank 0 did not build its "
+                        "loader (the same node-pool loaders must be built in the same order on "
+                        f"every local rank). {TIMEOUT_ENV} sets the wait; node_pool=False "
+                        "gives this rank its own workers.") from None
+                time.sleep(0.05)
+        self._sock = sock
+        try:
+            if _peer_uid(sock) != os.getuid():
+                raise RuntimeError("PoolLoader(node_pool=True): the node pool's socket belongs "
+                                   "to another user")
+            sock.settimeout(max(1.0, deadline - time.monotonic()))
+            _send(sock, ("hello", mine))
+            answer = _recv(sock)
+            if answer[0] == "refused":
+                raise ValueError(
+                    f"PoolLoader(node_pool=True): local rank {local_rank}'s loader differs from "
+                    f"local rank 0's, built in the same order, in {answer[1]}. The local ranks' "
+                    "node-pool loaders must be built in the same order, each with the same "
+                    "dataset (class and length), collate_fn, batch_size, drop_last, num_workers "
+                    "and node_workers; or pass node_pool=False to this one.")
+            _, locator, self.pids = answer
+            sock.settimeout(30.0)
+            self.segment = NodeSegment.attach(locator)
+            self.host_pid = locator[0]
+            self._made()
+        except BaseException:
+            self.close()
+            raise
+
+    def host_alive(self) -> bool:
+        return self.segment.host_alive()
+
+    def _forward(self, key, placed: dict) -> None:
+        if self._sock is None:
+            raise RuntimeError("PoolLoader(node_pool=True): this node pool was closed")
+        try:
+            _send(self._sock, ("attach", key, placed))
+        except OSError as e:
+            raise WorkerDied(f"PoolLoader(node_pool=True): the node pool's host, local rank 0 "
+                             f"(pid {self.host_pid}), cannot be reached: {e}") from None
+
+    def close(self) -> None:
+        sock, self._sock = self._sock, None
+        _close_socket(sock)
+        segment = getattr(self, "segment", None)
+        if segment is not None:
+            segment.close()
+
+
+def join(loader, ctx, processes: int, group: tuple[int, int, str]) -> _Node:
+    """The node pool of `loader` (built on every local rank in the same order): host it
+    (local rank 0) or join it; closed when the loader is collected, or at exit."""
+    from poolloader.shm.backends import memfd
+
+    why_not = memfd.supported()
+    if why_not is not None:
+        raise OSError(f"PoolLoader(node_pool=True) needs anonymous shared memory that other "
+                      f"processes can open: {why_not}; pass node_pool=False")
+    rank, size, run_key = group
+    address = _address(run_key, next(_ordinal))
+    mine = fingerprint(loader, processes)
+    timeout = _timeout()
+    node: _Node
+    if rank == 0:
+        node = NodeHost(ctx, processes, mine, address, timeout, expected=size - 1)
+    else:
+        node = NodeClient(rank, mine, address, timeout)
+    node.acquire()
+    weakref.finalize(loader, node.release)
+    return node

@@ -1,0 +1,209 @@
+"""A physical process of a node pool (PoolLoader(node_pool=True)).
+
+The host (local rank 0) starts P of them once per node-pool loader; they serve the
+logical workers of every rank's iterators: logical worker i of each rank is hosted by
+process i % P (control.hosted_by). A rank's iterator attaches a *group* (its pool and
+its logical workers' configs, which the host forwards through this process's command
+pipe) and detaches it by closing its request rings, or by dying (its pool's owner
+lock goes). Each logical worker is the LogicalWorker of poolloader.worker.loop, built
+here from the rank's own pickled start payload (startup.load: its own copy of the
+rank's dataset, worker_init_fn and collate_fn), so its batches are its rank's
+DataLoader worker's.
+
+Serving: one request at a time, round robin over every hosted logical worker of
+every group (a rank with more requests pending gets no more turns than its logical
+workers have), waiting on this process's doorbell in the node segment. Every
+WORKER_TICK (busy or idle) it checks the host's lock (gone: exit) and each group's
+owner (gone: drop the group and its mappings).
+"""
+from __future__ import annotations
+
+import time
+
+from poolloader.errors import RingClosed
+from poolloader.shm.node import NodeSegment
+from poolloader.shm.pool import WorkerSlots
+from poolloader.wire import codec
+from poolloader.worker import stall, startup
+from poolloader.worker.loop import (
+    WORKER_TICK,
+    LogicalWorker,
+    WorkerConfig,
+    prepare_process,
+    serve_request,
+)
+from poolloader.worker.popen import parent_process_through
+
+
+class _Group:
+    """One rank iterator's logical workers in this process, and its pool."""
+
+    def __init__(self, key, cfgs: tuple[WorkerConfig, ...], current: LogicalWorker | None):
+        self.key = key
+        self.slots = WorkerSlots(cfgs[0].pool, cfgs[0].worker_id, tuple(c.worker_id for c in cfgs))
+        self.writer = codec.SlotWriter()
+        self.doorbell = self.slots.control.doorbell
+        errors: list[BaseException | None] = []
+        for cfg in cfgs:  # each its own copy, as each DataLoader worker has
+            try:
+                cfg.dataset, cfg.init_fn, cfg.collate_fn = startup.load(cfg.shared)  # type: ignore[arg-type]
+                errors.append(None)
+            except Exception as e:  # reported as that worker's first reply
+                errors.append(e)
+        if current is not None:
+            current.leave()  # building a logical worker seeds this process's RNGs
+        self.workers: list[LogicalWorker] = []
+        for cfg, error in zip(cfgs, errors):
+            if self.workers:
+                self.workers[-1].leave()
+            self.workers.append(LogicalWorker(cfg, self.slots.control, error))
+
+    def sync(self) -> None:
+        self.slots.sync()
+        if self.slots.dropped:
+            self.slots.dropped = False
+            self.writer.forget_stale(self.slots.current())
+
+    def close(self) -> None:
+        self.workers = []
+        self.doorbell = None  # type: ignore[assignment]
+        self.writer = codec.SlotWriter()  # the old one may keep a mapping of the pool
+        self.slots.close()
+
+
+class _HostProbe:
+    """parent_process().is_alive() in a physical process: whether the host lives."""
+
+    def __init__(self, node: NodeSegment):
+        self._node = node
+
+    def is_alive(self) -> bool:
+        return self._node.host_alive()
+
+
+def _poll(entries: list, start: int) -> tuple[int, int | None] | None:
+    """(position in `entries`, slot) of the first pending request from `start` round
+    robin; (position, None) for a worker whose ring is closed; None if none is pending."""
+    n = len(entries)
+    for k in range(n):
+        i = (start + k) % n
+        try:
+            slot = entries[i][1].request_ring.try_pop()
+        except RingClosed:
+            return i, None
+        if slot is not None:
+            return i, slot
+    return None
+
+
+def _serve(entry: tuple[_Group, LogicalWorker], slot: int, current: LogicalWorker | None,
+           idle_since: int) -> LogicalWorker | None:
+    """Serve one request of `entry`'s logical worker; returns the logical worker now
+    entered, None if its rank closed its rings meanwhile. (A function of its own: no
+    local name outlives the call to keep a dropped rank's pool mapped.)"""
+    group, lw = entry
+    if lw is not current:
+        if current is not None:
+            current.leave()
+        lw.enter()
+    try:
+        serve_request(lw, group.slots, group.writer, slot, idle_since, shared=True)
+        group.doorbell.ring()
+    except RingClosed:
+        return None
+    return lw
+
+
+class _Served:
+    """What one process serves: the groups attached, their logical workers in round-robin
+    order, and the one entered now. Every reference to a group lives here, so dropping
+    it here unmaps its rank's pool."""
+
+    def __init__(self) -> None:
+        self.groups: dict = {}
+        self.entries: list[tuple[_Group, LogicalWorker]] = []
+        self.current: LogicalWorker | None = None
+        self.start = 0
+
+    def attach(self, key, cfgs: tuple[WorkerConfig, ...]) -> None:
+        try:
+            group = _Group(key, cfgs, self.current)
+        except Exception:
+            return  # the rank left before this process could attach its pool
+        self.groups[key] = group
+        self.current = group.workers[-1]
+        self.entries += [(group, lw) for lw in group.workers]
+
+    def drop(self, key) -> None:
+        group = self.groups.pop(key)
+        if self.current is not None and any(self.current is lw for lw in group.workers):
+            self.current = None  # its RNG states go with it
+        self.entries = [(g, lw) for g, lw in self.entries if g is not group]
+        self.start = 0
+        group.close()
+
+    def check(self) -> None:
+        """Drop the groups whose rank died (its in-flight work with them); map what the
+        others' pools changed."""
+        for key in [k for k, g in self.groups.items() if not g.slots.owner_alive()]:
+            self.drop(key)
+        for key in self.groups:
+            self.groups[key].sync()
+
+    def close(self) -> None:
+        for key in list(self.groups):
+            self.drop(key)
+
+
+def node_loop(p: int, node_locator: tuple, commands) -> None:
+    """Physical process `p`: attach the node segment, hold this process's lock, then
+    serve (module docstring). `commands`: the read end of a pipe from the host,
+    carrying ("attach", key, configs); None or EOF: stop."""
+    prepare_process(p)
+    node = NodeSegment.attach(node_locator)
+    node.hold_process_lock(p)
+    parent_process_through(_HostProbe(node))
+    bell = node.bells[p]
+    served = _Served()
+    checked = time.monotonic()
+    idle_since = time.perf_counter_ns()
+    try:
+        while True:
+            while commands.poll(0):
+                command = commands.recv()
+                if command is None:
+                    return
+                served.attach(command[1], command[2])
+            now = time.monotonic()
+            if now - checked >= WORKER_TICK:
+                checked = now
+                if not node.host_alive():
+                    return
+                served.check()
+                stall.check_handler()
+            found = _poll(served.entries, served.start)
+            if found is None:
+                # tokens of requests found on a poll are left on the bell: drop them,
+                # then look again, so that the wait sleeps
+                if bell.wait(0.0):
+                    while bell.wait(0.0):
+                        pass
+                    continue
+                bell.wait(WORKER_TICK)
+                continue
+            i, slot = found
+            if slot is None:  # the rank's iterator ended (closed its rings)
+                served.drop(served.entries[i][0].key)
+                continue
+            served.start = (i + 1) % len(served.entries)
+            if not node.host_alive():
+                return  # no request is served for a host that is gone
+            served.current = _serve(served.entries[i], slot, served.current, idle_since)
+            idle_since = time.perf_counter_ns()
+            if served.current is None:
+                served.drop(served.entries[i][0].key)
+    except (KeyboardInterrupt, EOFError, OSError):
+        pass
+    finally:
+        served.close()
+        node.close()

@@ -1,0 +1,268 @@
+"""One local rank of test_node_pool.py: `python _node_children.py CASE OUT_DIR [ARG]`.
+
+Environment: LOCAL_RANK, LOCAL_WORLD_SIZE and TORCHELASTIC_RUN_ID, as torchrun sets
+them (the test sets them; no process group is needed: each rank's DistributedSampler
+is given its rank). Ranks meet through files in OUT_DIR (`meet`), bounded. Each rank
+writes OUT_DIR/rank<R>.json and exits 0; an exception exits 1 with its traceback.
+
+Cases:
+  parity ARG=persistent(0/1)  a map-style dataset with random augmentation in
+        __getitem__ (random, torch, numpy) and a worker_init_fn that draws from every
+        RNG and changes its copy of the dataset, under DistributedSampler(shuffle=True),
+        two epochs: first DataLoader(num_workers=2), then PoolLoader(node_pool=True);
+        records whether they are equal, and this rank's children while the node
+        pool iterates.
+  iterable  an IterableDataset that shards by get_worker_info() and rank.
+  mismatch  rank 1 builds its loader with batch_size 5: records the error.
+  rank_killed  rank 1 takes two batches, records its pool's memfd inodes, and
+        SIGKILLs itself; rank 0 goes on: its epoch must equal DataLoader's, and the
+        node's processes must unmap rank 1's pool.
+  host_killed  both take a batch; rank 0 SIGKILLs itself; rank 1 records the
+        error its next() raises, how long it took, and whether the node's processes
+        are gone.
+  worker_killed  both take a batch; rank 1 SIGKILLs node process 0; both record
+        the error.
+"""
+import json
+import os
+import random
+import signal
+import sys
+import time
+import traceback
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, get_worker_info
+
+from poolloader import PoolLoader
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import proc  # noqa: E402  (tests/proc.py: the process table)
+
+CASE, OUT = sys.argv[1], sys.argv[2]
+ARG = sys.argv[3] if len(sys.argv) > 3 else ""
+RANK, WORLD = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+N_SAMPLES, BATCH, WORKERS = 48, 4, 2
+FAULT_SAMPLES = 800  # 100 batches a rank: a death always comes before the epoch ends
+MEET_S = 60.0
+
+
+def meet(name: str) -> None:
+    """Wait (bounded) until every rank reached `name`."""
+    open(os.path.join(OUT, f"{name}.{RANK}"), "w").close()
+    deadline = time.monotonic() + MEET_S
+    while not all(os.path.exists(os.path.join(OUT, f"{name}.{r}")) for r in range(WORLD)):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {RANK}: the other ranks did not reach {name!r}")
+        time.sleep(0.01)
+
+
+def note(name: str, value) -> None:
+    with open(os.path.join(OUT, f"{name}.{RANK}.json"), "w") as f:
+        json.dump(value, f)
+
+
+def read(name: str, rank: int, timeout: float = MEET_S):
+    path = os.path.join(OUT, f"{name}.{rank}.json")
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {RANK}: no {name!r} from rank {rank}")
+        time.sleep(0.01)
+    time.sleep(0.05)
+    with open(path) as f:
+        return json.load(f)
+
+
+class Augmented(Dataset):
+    """Item i: its index, draws from random, numpy and torch, and the worker's offset
+    (set by init_fn in its own copy)."""
+
+    def __init__(self, n=N_SAMPLES):
+        self.offset = 0
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        info = get_worker_info()
+        return (torch.tensor([i, info.id, self.offset, random.randint(0, 10**6),
+                              int(np.random.randint(0, 10**6))]),
+                torch.rand(3, 4))
+
+
+def init_fn(worker_id):
+    info = get_worker_info()
+    info.dataset.offset = random.randint(0, 1000) + int(np.random.randint(0, 1000)) \
+        + int(torch.randint(0, 1000, ()))
+    random.seed(random.randint(0, 10**6) + worker_id)
+
+
+class Shards(IterableDataset):
+    """Each (rank, worker) streams its own share of the items, with a random draw; the
+    rank read where a dataset reads it, in the worker (a DataLoader worker inherits
+    its rank's environment)."""
+
+    def __iter__(self):
+        info = get_worker_info()
+        rank = int(os.environ["RANK"])
+        for i in range(rank * 100 + info.id, rank * 100 + 30, info.num_workers):
+            yield torch.tensor([i, info.id, random.randint(0, 10**6)])
+
+
+def loader(cls, persistent=False, batch_size=BATCH, n=N_SAMPLES, **kw):
+    dataset = Augmented(n)
+    sampler = DistributedSampler(dataset, num_replicas=WORLD, rank=RANK, shuffle=True, seed=5)
+    return cls(dataset, batch_size=batch_size, sampler=sampler, num_workers=WORKERS,
+               worker_init_fn=init_fn, persistent_workers=persistent,
+               generator=torch.Generator().manual_seed(11 + RANK), **kw), sampler
+
+
+def epochs(pair, n=2, during=None):
+    it_loader, sampler = pair
+    out = []
+    for epoch in range(n):
+        sampler.set_epoch(epoch)
+        batches = []
+        for k, batch in enumerate(it_loader):
+            batches.append([t.clone() for t in batch])
+            if during is not None and epoch == 0 and k == 0:
+                during()
+        out.append(batches)
+    return out
+
+
+def same(a, b) -> bool:
+    return len(a) == len(b) and all(
+        len(x) == len(y) and all(len(p) == len(q) and all(torch.equal(s, t) for s, t in zip(p, q))
+                                 for p, q in zip(x, y))
+        for x, y in zip(a, b))
+
+
+def children() -> list:
+    return sorted(proc.live_children(parent=os.getpid()))
+
+
+def main() -> dict:
+    if CASE == "parity":
+        persistent = ARG == "1"
+        expected = epochs(loader(DataLoader, persistent))
+        seen = {}
+        pool = loader(PoolLoader, persistent, node_pool=True)
+        got = epochs(pool, during=lambda: seen.update(children=children()))
+        result = {"equal": same(expected, got), "batches": len(got[0]),
+                  "children": seen["children"], "node_pids": pool[0]._node.pids,
+                  "host": pool[0]._node.host_pid}
+        meet("done")
+        return result
+    if CASE == "iterable":
+        def seeded():
+            return torch.Generator().manual_seed(3 + RANK)
+        expected = [[t.clone() for t in b] for b in DataLoader(
+            Shards(), batch_size=3, num_workers=WORKERS, generator=seeded())]
+        pool = PoolLoader(Shards(), batch_size=3, num_workers=WORKERS, generator=seeded(),
+                          node_pool=True)
+        got = [[t.clone() for t in b] for b in pool]
+        meet("done")  # the host's loader lives until every rank is done, as in training
+        return {"equal": same([expected], [got]), "batches": len(got)}
+    if CASE == "mismatch":
+        kept = None
+        try:
+            kept = loader(PoolLoader, batch_size=5 if RANK == 1 else BATCH, node_pool=True)
+            error = None
+        except ValueError as e:
+            error = str(e)
+        meet("done")  # rank 0's loader lives until then: it hosts while it lives
+        del kept
+        return {"error": error}
+    if CASE == "rank_killed":
+        expected = epochs(loader(DataLoader, n=FAULT_SAMPLES), n=1)
+        pool, sampler = loader(PoolLoader, n=FAULT_SAMPLES, node_pool=True)
+        it = iter(pool)
+        first = [[t.clone() for t in next(it)]]
+        meet("started")
+        if RANK == 1:
+            next(it)
+            note("inodes", pool_inodes())
+            os.kill(os.getpid(), signal.SIGKILL)
+        victim = read("inodes", 1)
+        gone = proc.wait_gone([read_pid(1)], 10.0)
+        rest = [[t.clone() for t in b] for b in it]
+        node_pids = pool._node.pids
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline:
+            mapped = {inode for pid in node_pids for inode in proc.memfd_segments(pid)}
+            if not mapped & set(victim):
+                break
+            time.sleep(0.05)
+        return {"equal": same(expected, [first + rest]), "rank1_gone": gone,
+                "still_mapped": sorted(mapped & set(victim)), "victim_inodes": len(victim)}
+    if CASE == "host_killed":
+        pool, sampler = loader(PoolLoader, n=FAULT_SAMPLES, node_pool=True)
+        it = iter(pool)
+        next(it)
+        meet("started")
+        if RANK == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        proc.wait_gone([read_pid(0)], 10.0)
+        began = time.monotonic()
+        try:
+            for _ in it:
+                pass
+            error = None
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+        took = time.monotonic() - began
+        pids = pool._node.pids
+        return {"error": error, "took": took, "node_pids": pids,
+                "node_gone": proc.wait_gone(pids, 10.0)}
+    if CASE == "worker_killed":
+        pool, sampler = loader(PoolLoader, n=FAULT_SAMPLES, node_pool=True)
+        it = iter(pool)
+        next(it)
+        meet("started")
+        victim = pool._node.pids[0]
+        if RANK == 1:
+            os.kill(victim, signal.SIGKILL)
+        proc.wait_gone([victim], 10.0)
+        began = time.monotonic()
+        try:
+            for _ in it:
+                pass
+            error = None
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+        result = {"error": error, "took": time.monotonic() - began, "victim": victim}
+        meet("done")
+        return result
+    raise ValueError(CASE)
+
+
+def pool_inodes() -> list:
+    """The inodes of this process's pool: its control and slot segments (not the node
+    segment, which the node's processes keep)."""
+    found = set()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            if len(fields) > 5 and ("poolloader-control" in fields[5] or "poolloader-slot" in fields[5]):
+                found.add(int(fields[4]))
+    return sorted(found)
+
+
+def read_pid(rank: int) -> int:
+    return read("pid", rank)
+
+
+if __name__ == "__main__":
+    note("pid", os.getpid())
+    try:
+        result = main()
+    except BaseException:
+        traceback.print_exc()
+        sys.exit(1)
+    with open(os.path.join(OUT, f"rank{RANK}.json"), "w") as f:
+        json.dump(result, f)

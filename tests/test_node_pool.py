@@ -1,0 +1,161 @@
+"""PoolLoader(node_pool=True): the local ranks of a job share the node's worker processes,
+and each rank's batches stay its own DataLoader's.
+
+Each test starts 2 or 3 ranks as torchrun starts them (tests/_node_children.py, with
+LOCAL_RANK, LOCAL_WORLD_SIZE and a TORCHELASTIC_RUN_ID of its own), each in its own
+session, killed with whatever it started if the test overruns; tests/test_train_script.py
+runs it under torchrun itself.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import proc
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from poolloader import PoolLoader
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CHILD = os.path.join(HERE, "_node_children.py")
+DEADLINE_S = 90.0
+
+
+def _ranks(tmp_path, case: str, world: int, arg: str = "", env=None) -> list:
+    """Run `case` on `world` local ranks; [rank's JSON, or None if it wrote none]."""
+    run_id = f"pltest-{uuid.uuid4().hex[:12]}"
+    procs, logs = [], []
+    try:
+        for rank in range(world):
+            child_env = dict(os.environ, LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                             RANK=str(rank), WORLD_SIZE=str(world),
+                             TORCHELASTIC_RUN_ID=run_id, **(env or {}),
+                             PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(HERE),
+                                                         os.environ.get("PYTHONPATH", "")]))
+            log = open(tmp_path / f"rank{rank}.log", "w+")
+            logs.append(log)
+            procs.append(subprocess.Popen([sys.executable, CHILD, case, str(tmp_path), arg],
+                                          env=child_env, stdout=log, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, start_new_session=True))
+        deadline = time.monotonic() + DEADLINE_S
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)  # the rank's session: it and what it started
+            except ProcessLookupError:
+                pass
+            p.wait(timeout=10)
+    texts = []
+    for rank, log in enumerate(logs):
+        log.seek(0)
+        texts.append(f"--- rank {rank} (exit {procs[rank].returncode}) ---\n{log.read()[-3000:]}")
+        log.close()
+    out = []
+    for rank in range(world):
+        path = tmp_path / f"rank{rank}.json"
+        out.append(json.loads(path.read_text()) if path.exists() else None)
+    return out, [p.returncode for p in procs], "\n".join(texts)
+
+
+@pytest.mark.parametrize("world, persistent", [(2, "1"), (3, "0")])
+def test_each_rank_gets_its_own_dataloaders_batches_from_the_nodes_processes(tmp_path, world,
+                                                                              persistent):
+    results, codes, logs = _ranks(tmp_path, "parity", world, persistent)
+    assert codes == [0] * world, logs
+    host = results[0]
+    for rank, r in enumerate(results):
+        assert r["equal"], f"rank {rank}: batches differ from its DataLoader's\n{logs}"
+        assert r["batches"] == 48 // world // 4
+        assert r["node_pids"] == host["node_pids"] and r["host"] == host["host"]
+        # the node's processes are local rank 0's children, num_workers of them; the
+        # other ranks start none
+        assert r["children"] == (sorted(host["node_pids"]) if rank == 0 else []), logs
+    assert len(host["node_pids"]) == 2
+
+
+def test_an_iterable_dataset_shards_by_worker_and_rank(tmp_path):
+    results, codes, logs = _ranks(tmp_path, "iterable", 2)
+    assert codes == [0, 0], logs
+    assert all(r["equal"] for r in results), logs
+    assert all(r["batches"] == 10 for r in results)  # 15 items a worker, 3 a batch
+
+
+def test_a_rank_whose_loader_differs_is_told_what_differs(tmp_path):
+    results, codes, logs = _ranks(tmp_path, "mismatch", 2)
+    assert codes == [0, 0], logs
+    assert results[0]["error"] is None
+    error = results[1]["error"]
+    assert error is not None and "batch_size: 5 here, 4 on local rank 0" in error, logs
+    assert "node_pool=False" in error
+
+
+def test_a_killed_rank_is_dropped_and_the_others_go_on(tmp_path):
+    results, codes, logs = _ranks(tmp_path, "rank_killed", 2)
+    assert codes[1] == -signal.SIGKILL and codes[0] == 0, logs
+    r = results[0]
+    assert r["rank1_gone"] and r["victim_inodes"] >= 2
+    assert r["equal"], logs
+    assert r["still_mapped"] == [], "the node's processes still map the dead rank's pool"
+
+
+def test_the_hosts_death_is_an_error_on_every_other_rank(tmp_path):
+    results, codes, logs = _ranks(tmp_path, "host_killed", 2)
+    assert codes[0] == -signal.SIGKILL and codes[1] == 0, logs
+    r = results[1]
+    assert r["error"] is not None and r["error"].startswith("WorkerDied"), logs
+    assert "host, local rank 0" in r["error"] and "exited" in r["error"]
+    assert r["took"] < 5.0, r  # one tick (0.1 s) when the machine is quiet
+    assert r["node_gone"], f"node processes {r['node_pids']} outlived their host"
+
+
+def test_a_dead_node_process_is_an_error_on_every_rank_naming_it(tmp_path):
+    results, codes, logs = _ranks(tmp_path, "worker_killed", 2)
+    assert codes == [0, 0], logs
+    for r in results:
+        assert r["error"] is not None and r["error"].startswith("WorkerDied"), logs
+        assert f"pid {r['victim']}" in r["error"] and "node pool process 0" in r["error"]
+        assert r["took"] < 5.0, r
+
+
+def test_without_torchrun_node_pool_is_an_ordinary_loader(monkeypatch):
+    for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    data = [torch.full((2,), i) for i in range(12)]
+    loader = PoolLoader(data, batch_size=3, num_workers=2, node_pool=True)
+    assert loader._node is None
+    assert all(torch.equal(a, b) for a, b in zip(loader, DataLoader(data, batch_size=3)))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # one local rank: nothing to share
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    assert PoolLoader(data, num_workers=2, node_pool=True)._node is None
+
+
+def test_bad_values_are_refused(monkeypatch):
+    data = list(range(4))
+    with pytest.raises(ValueError, match="node_pool must be True, False or None"):
+        PoolLoader(data, num_workers=1, node_pool="yes")
+    monkeypatch.setenv("POOLLOADER_NODE_POOL", "maybe")
+    with pytest.raises(ValueError, match="POOLLOADER_NODE_POOL='maybe'"):
+        PoolLoader(data, num_workers=1)
+    monkeypatch.setenv("POOLLOADER_NODE_POOL", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", f"pltest-{uuid.uuid4().hex}")
+    # node_workers may exceed num_workers up to one process per logical worker of the node
+    with pytest.raises(ValueError, match="from 1 to 4"):
+        PoolLoader(data, num_workers=2, node_workers=5)
+    monkeypatch.setenv("POOLLOADER_NODE_TIMEOUT", "0.3")
+    began = time.monotonic()
+    with pytest.raises(RuntimeError, match="found no node pool to join within 0 s"):
+        PoolLoader(data, num_workers=2)  # local rank 1, and no rank 0
+    assert time.monotonic() - began < 5.0
+    assert proc.live_children() == {}
