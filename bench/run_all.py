@@ -13,11 +13,13 @@ its own session, so a crash, a hang or a leak in one cannot touch the next):
   ring      bench/ring.py      ring vs multiprocessing Pipe/Queue
   shards    bench/shards.py    sharded / WebDataset-style data
 
-Four benchmarks on the same runner are left out, to be run by hand:
+Six benchmarks on the same runner are left out, to be run by hand:
 bench/gpu.py needs CUDA (it exits 2 without it); bench/state.py and
 bench/throughput.py compare this tree with a git revision (`--baseline`), which
 a shallow clone may lack; bench/startup.py pickles hundreds of MB per worker
-start under spawn and forkserver (minutes).
+start under spawn and forkserver (minutes); bench/memory.py does both (a
+revision, and gigabytes pickled into workers); bench/node.py runs torchrun jobs
+of 2 and 4 ranks, each with its own workers (minutes).
 
 Each benchmark's own docstring states its method; all run DataLoader and
 PoolLoader side by side in the same process run. Every one parses its command

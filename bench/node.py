@@ -1,0 +1,564 @@
+"""One pool per node: the local ranks of a torchrun job, each with its own DataLoader,
+its own PoolLoader, or PoolLoader(node_pool=True) (one set of worker processes for the
+node, hosted by local rank 0), side by side in one run.
+
+The question it answers: with `R` local ranks each asking for `num_workers=2`, how many
+processes does the job run, how much memory does the node hold, and what does sharing
+the workers cost each rank's batches/s, first batch and main thread?
+
+Arms (same data set, same sampler, same collate: `common.RFDETRShaped` /
+`common.RFDETRCollate`, RF-DETR's batch of 16 × 576², row `per_sample` by default):
+  torch  DataLoader per rank, num_workers=2
+  pool   PoolLoader per rank, num_workers=2
+  node   PoolLoader(num_workers=2, node_pool=True), plus node_workers=N with
+         `--node-workers N` (`total`: ranks × num_workers, the per-rank arms' worker
+         count). A tree whose PoolLoader refuses the keyword (TypeError) gives FAILED
+         with that error, and the run goes on.
+
+Method. A cell is a rank count (`--ranks 2,4`). For every cell, arm and repetition
+(`common.interleave`: arms back to back, the order rotated per repetition and cell) the
+driver starts `python -m torch.distributed.run --standalone --nproc_per_node=R
+bench/node.py --rank-child SPEC` in a session of its own, with a deadline (`--timeout`:
+past it every process of the job is killed by pid and the arm is FAILED). Each rank:
+  1. joins a gloo process group (its timeout is the deadline too), builds a
+     DistributedSampler(shuffle=True, seed) over the data set and its arm's loader
+     (fork workers, `timeout=` on the loader: a stuck worker raises);
+  2. after a barrier, times iter() to the first batch ("first batch s");
+  3. draws `--warmup-batches` untimed batches, then `--batches` timed ones, `next()`
+     then `del` (the consumer does nothing else): batches/s over that window, and the
+     median over batches of the main thread's CPU ms for `next()` + `del`
+     (`time.thread_time`: what receiving and releasing a batch costs the training
+     thread, not the time it waits);
+  4. barrier (every rank done, every iterator still alive with a full pipeline); rank 0
+     (local rank 0: one node) takes the census: the job's processes are every live
+     (non-zombie) descendant of torchrun, plus every live process in torchrun's session
+     or a rank's session (torchrun starts each rank as a session leader; its workers
+     inherit the session even if reparented), torchrun itself excluded: the ranks, the
+     loaders' workers and any helper a loader starts. "worker processes" is that minus
+     the ranks. "node PSS" sums their Pss (/proc/<pid>/smaps_rollup, read by
+     poolloader.main.memory.read_process): each shared page is divided among the
+     processes that map it, so the sum is what the job holds together (torchrun's own
+     PSS is in the JSON, not in the sum);
+  5. barrier, shuts its iterator down, barrier, destroy_process_group; writes its
+     figures to a file the driver reads.
+After torchrun exits the driver waits (10 s at most) until no process of the job's
+sessions is alive and no /dev/shm name carrying one of the job's pids is left; an arm
+that leaves either is FAILED (and what it left is killed, by pid).
+
+Reported per rank count and arm: worker processes, job processes, node PSS (and the
+workers' share of it), first batch, batches/s and main-thread CPU ms per batch. The
+per-rank ones are median [min–max] over every rank of every repetition; the others over
+repetitions. Ratio columns pair the arms of one repetition (per-rank metrics: the
+median over ranks), then summarise. Targets (set for 4 ranks; shown for every rank
+count): the node arm's job processes ≤ num_workers + ranks + 1 (7 at 4 ranks, with
+the default node_workers); node PSS ≤ 0.5 × PoolLoader per rank's; batches/s per
+rank ≥ 0.9 × PoolLoader per rank's with the same total worker count (comparable only
+when the node arm runs ranks × num_workers workers: `--node-workers total`).
+
+Process counts and PSS hardly depend on the machine's load; times do, and R ranks with
+their workers on a 2-core machine share two cores: compare the ratios inside one run.
+
+Usage:
+    python bench/node.py [--quick] [--ranks 2,4] [--num-workers 2] [--node-workers N|total]
+                         [--arms torch,pool,node] [--batches 20] [--warmup-batches 4]
+                         [--row per_sample] [--resolution 576] [--timeout 300] [--out DIR]
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+NAME = "node"
+HERE = os.path.abspath(__file__)
+ROOT = os.path.dirname(os.path.dirname(HERE))
+MIB = 1 << 20
+ARMS = ("torch", "pool", "node")
+ARM_LABEL = {"torch": "DataLoader per rank", "pool": "PoolLoader per rank",
+             "node": "PoolLoader node pool"}
+PER_RANK = ("first_s", "batch_s", "main_cpu_ms")  # each rank's; the job's: the rest
+ZOMBIE = (b"Z", b"X", b"x")
+CLEAN_WAIT_S = 10.0
+
+
+# ---------------------------------------------------------------------------
+# the job's processes (the driver and rank 0 both take this census)
+
+def job_census(root: int, sessions=()) -> dict:
+    """{pid: Proc} of the job's live processes: every live descendant of `root`
+    (torchrun), and every live process in `root`'s session, in one of `sessions` or in
+    a descendant's session (torchrun makes each rank a session leader; a worker
+    reparented after its rank died keeps the rank's session); `root` excluded."""
+    import common
+
+    table = common.processes()
+    children: dict = {}
+    for pid, proc in table.items():
+        children.setdefault(proc.ppid, []).append(pid)
+    found, stack = set(), [root]
+    while stack:
+        for child in children.get(stack.pop(), ()):
+            if child not in found:
+                found.add(child)
+                stack.append(child)
+    leaders = {root, *sessions} | {table[p].session for p in found}
+    found |= {pid for pid, proc in table.items() if proc.session in leaders}
+    found.discard(root)
+    return {pid: table[pid] for pid in sorted(found) if table[pid].state not in ZOMBIE}
+
+
+def kill_pids(pids) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+# ---------------------------------------------------------------------------
+# one rank, started by torchrun
+
+def _write(path: str, payload: dict) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(payload, f)
+    os.replace(path + ".tmp", path)
+
+
+def rank_child(spec: dict) -> None:
+    """One rank: figures (or the error that stopped it) to <out_dir>/rank-<rank>.json."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    out = os.path.join(spec["out_dir"], f"rank-{rank}.json")
+    _write(os.path.join(spec["out_dir"], f"rank-{rank}.pid"), {"pid": os.getpid()})
+    sys.path.insert(0, os.path.dirname(HERE))
+    import datetime
+
+    import common
+    import torch.distributed as dist
+
+    result: dict = {"rank": rank, "local_rank": local_rank, "pid": os.getpid()}
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=spec["timeout"]))
+    try:
+        result.update(_rank_body(spec, rank, world, local_rank))
+    except Exception as exc:
+        result["error"] = common.error_text(exc)
+        _write(out, result)
+        raise
+    finally:
+        dist.destroy_process_group()
+    _write(out, result)
+
+
+def _rank_body(spec: dict, rank: int, world: int, local_rank: int) -> dict:
+    import common
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+
+    from poolloader import PoolLoader
+    from poolloader.main.memory import read_process
+
+    arm, workers = spec["arm"], spec["num_workers"]
+    in_flight = 2 * workers + 2  # what a pipeline holds beyond the batches drawn
+    per_rank = spec["warmup_batches"] + spec["batches"] + 1 + in_flight
+    dataset = common.RFDETRShaped(common.BATCH * world * per_rank, resolution=spec["resolution"])
+    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True,
+                                 seed=spec["seed"])
+    kwargs: dict = dict(batch_size=common.BATCH, sampler=sampler, num_workers=workers,
+                        collate_fn=common.RFDETRCollate(spec["row"], pool=arm != "torch"),
+                        timeout=spec["loader_timeout"])
+    if arm == "node":
+        kwargs["node_pool"] = True
+        if spec["node_workers"] is not None:
+            kwargs["node_workers"] = spec["node_workers"]
+    loader = (DataLoader if arm == "torch" else PoolLoader)(dataset, **kwargs)
+    rank_pids: list = [None] * world
+    dist.all_gather_object(rank_pids, os.getpid())
+    out: dict = {}
+    dist.barrier()  # every rank starts its loader at once
+    t0 = time.perf_counter()
+    it = iter(loader)
+    try:
+        batch = next(it)
+        out["first_s"] = time.perf_counter() - t0
+        del batch
+        for _ in range(spec["warmup_batches"]):
+            batch = next(it)
+            del batch
+        cpu_ms = []
+        start = time.perf_counter()
+        for _ in range(spec["batches"]):
+            c0 = time.thread_time()
+            batch = next(it)
+            del batch
+            cpu_ms.append((time.thread_time() - c0) * 1e3)
+        wall = time.perf_counter() - start
+        out["batch_s"] = spec["batches"] / wall
+        out["main_cpu_ms"] = statistics.median(cpu_ms)
+        dist.barrier()  # every rank is past its timed window, every iterator alive
+        if local_rank == 0:
+            out.update(_census(os.getppid(), rank_pids, read_process))
+        dist.barrier()  # the census is taken
+    finally:
+        common.shutdown_iterator(it)
+        del it
+    dist.barrier()  # every rank has shut its loader down
+    return out
+
+
+def _census(torchrun: int, rank_pids: list, read_process) -> dict:
+    """The job's processes and their PSS, as seen from rank 0 (see the module docstring)."""
+    import common
+
+    if "torch.distributed" not in common.cmdline(torchrun) and "torchrun" not in common.cmdline(torchrun):
+        raise RuntimeError(f"rank 0's parent (pid {torchrun}: {common.cmdline(torchrun)[:80]!r}) "
+                           "is not torchrun; run this file through bench/node.py's driver")
+    job = job_census(torchrun, rank_pids)
+    missing = sorted(set(rank_pids) - set(job))
+    if missing:
+        raise RuntimeError(f"internal error: ranks {missing} are not among the job's processes "
+                           f"{sorted(job)}")
+    memory = {pid: read_process(pid) for pid in job}
+    unread = sorted(pid for pid, m in memory.items() if m is None)
+    if unread:
+        raise RuntimeError(f"could not read /proc/<pid>/smaps_rollup of {unread} (exited?)")
+    ranks_pss = sum(memory[p]["pss"] for p in rank_pids)
+    total_pss = sum(m["pss"] for m in memory.values())
+    own = read_process(torchrun)
+    return {"processes": len(job), "workers": len(job) - len(rank_pids),
+            "pss_mib": total_pss / MIB, "rank_pss_mib": ranks_pss / MIB,
+            "worker_pss_mib": (total_pss - ranks_pss) / MIB,
+            "torchrun_pss_mib": None if own is None else own["pss"] / MIB,
+            "job_pids": sorted(job),
+            "others": [f"{pid} (parent {job[pid].ppid}): "
+                       f"{common.cmdline(pid).split(' --rank-child')[0][:100]}"
+                       for pid in job if pid not in rank_pids]}
+
+
+# ---------------------------------------------------------------------------
+# the driver: one torchrun job per measurement
+
+def run_job(spec: dict, ranks: int, timeout: float) -> dict:
+    """One torchrun job of `ranks` ranks; returns the measurement (job figures and
+    per-rank lists); common.BenchError on a failed rank, the deadline, or leftovers."""
+    import common
+
+    tmp = tempfile.mkdtemp(prefix="plnode-")
+    spec = dict(spec, out_dir=tmp)
+    log_path = os.path.join(tmp, "torchrun.log")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={ranks}", HERE, "--rank-child", json.dumps(spec)]
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    names0 = common.shm_names()
+    try:
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                for _ in range(3):  # a rank may start a worker meanwhile: until none is left
+                    job = job_census(proc.pid, _rank_pids(tmp))
+                    kill_pids([proc.pid, *job])
+                    time.sleep(0.2)
+                proc.wait(timeout=30)
+                raise common.BenchError(f"{spec['arm']}: the {ranks}-rank job ran past "
+                                        f"{timeout:.0f} s (killed); its log ended: "
+                                        f"{_tail(log_path)}") from None
+        results = _read_results(tmp, ranks)
+        errors = [f"{r['error']} (rank {r['rank']})" for r in results.values() if "error" in r]
+        if errors:
+            raise common.BenchError(errors[0])
+        if proc.returncode or len(results) != ranks:
+            raise common.BenchError(f"{spec['arm']}: torchrun exited {proc.returncode} with "
+                                    f"{len(results)} of {ranks} ranks' figures; its log ended: "
+                                    f"{_tail(log_path)}")
+        rank_pids = sorted(r["pid"] for r in results.values())
+        job_pids = set(results[0]["job_pids"]) | set(rank_pids)
+        left = _leftovers(proc.pid, rank_pids, job_pids, names0)
+        if left:
+            raise common.BenchError(f"{spec['arm']}: the job left behind {', '.join(left)}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    job = results[0]
+    out = {k: job[k] for k in ("processes", "workers", "pss_mib", "rank_pss_mib",
+                               "worker_pss_mib", "torchrun_pss_mib", "others")}
+    ordered = [results[r] for r in sorted(results)]
+    for metric in PER_RANK:
+        values = [r[metric] for r in ordered]
+        out[metric] = statistics.median(values)  # what the ratios pair
+        out[f"rank_{metric}"] = values           # what the table summarises
+    out["first_s_max"] = max(out["rank_first_s"])
+    return out
+
+
+def _rank_pids(tmp: str) -> list:
+    pids = []
+    for name in os.listdir(tmp):
+        if name.endswith(".pid"):
+            with open(os.path.join(tmp, name)) as f:
+                pids.append(json.load(f)["pid"])
+    return pids
+
+
+def _read_results(tmp: str, ranks: int) -> dict:
+    results = {}
+    for r in range(ranks):
+        path = os.path.join(tmp, f"rank-{r}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                results[r] = json.load(f)
+    return results
+
+
+def _tail(path: str, lines: int = 3) -> str:
+    with open(path, errors="replace") as f:
+        text = [x for x in f.read().strip().splitlines() if x.strip()]
+    return " | ".join(text[-lines:])[-400:] or "(nothing)"
+
+
+def _leftovers(torchrun: int, rank_pids: list, job_pids: set, names0: set) -> list:
+    """What the job left after torchrun exited (bounded wait): live processes of its
+    sessions, live job pids, and new /dev/shm names carrying a job pid. Killed by pid."""
+    import common
+
+    deadline = time.monotonic() + CLEAN_WAIT_S
+    while True:
+        table = common.processes()
+        sessions = {torchrun, *rank_pids}
+        alive = sorted(p for p, proc in table.items() if proc.state not in ZOMBIE
+                       and (proc.session in sessions or p in job_pids))
+        names = common.names_of(job_pids | {torchrun}, common.shm_names() - names0)
+        if not (alive or names) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    kill_pids(alive)
+    return [f"process {p} ({common.cmdline(p)[:60]})" for p in alive] + [f"/dev/shm/{n}" for n in names]
+
+
+# ---------------------------------------------------------------------------
+# the report
+
+def _flat(raw, cell, arm, metric) -> list:
+    return [v for values in raw.series(cell, arm, f"rank_{metric}") for v in values]
+
+
+def _cell(raw, cell, arm, metric, spec) -> str:
+    import common
+
+    values = _flat(raw, cell, arm, metric) if metric in PER_RANK else raw.series(cell, arm, metric)
+    s = common.summarize(values)
+    errors = raw.errors[cell][arm]
+    if s.n == 0:
+        return "FAILED" if errors else "–"
+    return s.fmt(spec) + (f" ({len(errors)} failed)" if errors else "")
+
+
+ROWS = [  # metric, heading, format
+    ("workers", "worker processes", ".0f"),
+    ("processes", "job processes (ranks + workers)", ".0f"),
+    ("pss_mib", "node PSS MiB (job's processes)", ".0f"),
+    ("worker_pss_mib", "of which workers' PSS MiB", ".0f"),
+    ("first_s", "first batch s, per rank", ".2f"),
+    ("batch_s", "batches/s per rank", ".2f"),
+    ("main_cpu_ms", "main-thread CPU ms/batch, per rank", ".2f"),
+]
+
+
+def table(raw, cfg) -> str:
+    import common
+
+    arms = [a for a in ARMS if a in cfg.arms_list]
+    ratios = [(a, b) for a, b in (("node", "pool"), ("pool", "torch")) if a in arms and b in arms]
+    out = []
+    for cell in raw.cells:
+        rows = []
+        for metric, heading, spec in ROWS:
+            row = [heading] + [_cell(raw, cell, arm, metric, spec) for arm in arms]
+            row += [common.ratio_text(raw, cell, a, b, metric) for a, b in ratios]
+            rows.append(row)
+        heads = ["metric"] + [ARM_LABEL[a] for a in arms] + [f"{a} ÷ {b}" for a, b in ratios]
+        failed = [f"{ARM_LABEL[a]} failed {len(raw.errors[cell][a])}×: "
+                  + "; ".join(sorted(set(raw.errors[cell][a]))) for a in arms if raw.errors[cell][a]]
+        out.append(f"### {cell} local ranks\n\n" + common.markdown_table(heads, rows)
+                   + "".join(f"\n\n{line}" for line in failed))
+    out.append("### Targets\n\n" + common.markdown_table(
+        ["ranks", "target", "measured", "verdict"], targets(raw, cfg), "rlll"))
+    return "\n\n".join(out)
+
+
+def _median(raw, cell, arm, metric):
+    import common
+
+    s = common.summarize(raw.series(cell, arm, metric))
+    return s.median if s.n else None
+
+
+def _not_measured(raw, cell, *arms) -> str:
+    failed = [ARM_LABEL[a] for a in arms if raw.errors[cell].get(a)]
+    return "not measured" + (f" ({' and '.join(failed)} failed: see above)" if failed else "")
+
+
+def targets(raw, cfg) -> list:
+    """[ranks, target, measured, verdict] of the issue's three targets at each rank count."""
+    import common
+
+    rows = []
+    if "node" not in cfg.arms_list:
+        return rows
+    for ranks in raw.cells:
+        bound = cfg.num_workers + ranks + 1
+        n = _median(raw, ranks, "node", "processes")
+        pool_n = _median(raw, ranks, "pool", "processes") if "pool" in cfg.arms_list else None
+        text = f"job processes ≤ num_workers + ranks + 1 = {cfg.num_workers} + {ranks} + 1 = {bound}"
+        if n is None:
+            rows.append([ranks, text, "–", _not_measured(raw, ranks, "node")])
+        else:
+            measured = f"{n:.0f}" + (f" (PoolLoader per rank: {pool_n:.0f})" if pool_n is not None else "")
+            verdict = "met" if n <= bound else f"missed by {n - bound:.0f}"
+            given = node_workers_given(cfg, ranks)
+            if given not in (None, cfg.num_workers):
+                verdict += f" (the node arm ran node_workers={given}; the target is for the default)"
+            rows.append([ranks, text, measured, verdict])
+        if "pool" not in cfg.arms_list:
+            continue
+        r = common.ratio(raw, ranks, "node", "pool", "pss_mib")
+        text = "node PSS ≤ 0.5 × PoolLoader per rank's"
+        if not r.n:
+            rows.append([ranks, text, "–", _not_measured(raw, ranks, "node", "pool")])
+        else:
+            rows.append([ranks, text, r.fmt(".2f", "×"),
+                         "met" if r.median <= 0.5 else f"missed by {r.median / 0.5:.2f}×"])
+        r = common.ratio(raw, ranks, "node", "pool", "batch_s")
+        text = "batches/s per rank ≥ 0.9 × PoolLoader per rank's, same total worker count"
+        if not r.n:
+            rows.append([ranks, text, "–", _not_measured(raw, ranks, "node", "pool")])
+            continue
+        node_w = _median(raw, ranks, "node", "workers")
+        pool_w = _median(raw, ranks, "pool", "workers")
+        verdict = "met" if r.median >= 0.9 else f"missed by {0.9 / r.median:.2f}×"
+        if node_w != pool_w:
+            verdict = (f"not comparable ({node_w:.0f} worker processes against {pool_w:.0f}: "
+                       f"rerun with --node-workers total); at these counts: {verdict}")
+        rows.append([ranks, text, r.fmt(".2f", "×"), verdict])
+    return rows
+
+
+# ---------------------------------------------------------------------------
+
+def node_workers_given(cfg, ranks: int):
+    """node_workers= as the node arm passes it at `ranks` ranks (None: not passed)."""
+    return ranks * cfg.num_workers if cfg.node_workers == "total" else cfg.node_workers
+
+
+def main(argv=None) -> int:
+    if argv is None and sys.argv[1:2] == ["--rank-child"]:  # started by torchrun
+        rank_child(json.loads(sys.argv[2]))
+        return 0
+    sys.path.insert(0, os.path.dirname(HERE))
+    import common
+
+    p = common.parser(NAME, __doc__, reps=(1, 1), warmup_reps=(0, 0))
+    p.add_argument("--ranks", default="2,4", help="local rank counts, comma-separated (default 2,4)")
+    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
+    p.add_argument("--num-workers", type=int, default=2, help="each rank's num_workers (default 2)")
+    p.add_argument("--node-workers", default=None,
+                   help="node_workers= of the node arm: N, or 'total' for ranks × num_workers "
+                        "(default: not given, i.e. num_workers)")
+    p.add_argument("--batches", type=int, default=None, help="timed batches per rank (20; quick 8)")
+    p.add_argument("--warmup-batches", type=int, default=None,
+                   help="untimed batches per rank after the first (4; quick 2)")
+    p.add_argument("--row", default="per_sample",
+                   help="what crosses the boundary, a row of bench/handoff.py (default per_sample: "
+                        "RF-DETR's 16 target dicts)")
+    p.add_argument("--resolution", type=int, default=common.RESOLUTION,
+                   help=f"image side (default {common.RESOLUTION})")
+    p.add_argument("--seed", type=int, default=0, help="DistributedSampler's seed")
+    p.add_argument("--loader-timeout", type=float, default=120.0,
+                   help="the loaders' timeout= in seconds (default 120)")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds per torchrun job before it is killed and counts as failed")
+    cfg = common.parse(p, argv)
+    try:
+        cfg.ranks_list = [int(x) for x in cfg.ranks.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--ranks must be comma-separated integers, got {cfg.ranks!r}")
+    if not cfg.ranks_list or min(cfg.ranks_list) < 1:
+        p.error(f"--ranks must be positive rank counts, got {cfg.ranks!r}")
+    cfg.arms_list = [a.strip() for a in cfg.arms.split(",") if a.strip()]
+    unknown = sorted(set(cfg.arms_list) - set(ARMS))
+    if unknown or not cfg.arms_list:
+        p.error(f"--arms {cfg.arms!r}: choose from {', '.join(ARMS)}")
+    if cfg.num_workers < 1:
+        p.error(f"--num-workers must be >= 1 (the bench compares worker processes), got {cfg.num_workers}")
+    if cfg.row not in common.ROW_LABEL:
+        p.error(f"--row {cfg.row!r}: choose from {', '.join(common.ROW_LABEL)}")
+    if cfg.node_workers not in (None, "total"):
+        try:
+            cfg.node_workers = int(cfg.node_workers)
+        except ValueError:
+            p.error(f"--node-workers must be a number of processes or 'total', got {cfg.node_workers!r}")
+        if cfg.node_workers < 1:
+            p.error(f"--node-workers must be >= 1, got {cfg.node_workers}")
+    cfg.batches = cfg.batches or (8 if cfg.quick else 20)
+    cfg.warmup_batches = cfg.warmup_batches if cfg.warmup_batches is not None else (2 if cfg.quick else 4)
+    if cfg.batches < 1 or cfg.warmup_batches < 0:
+        p.error(f"--batches must be >= 1 and --warmup-batches >= 0, got {cfg.batches}, "
+                f"{cfg.warmup_batches}")
+
+    here = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True).stdout.strip()
+    load0, t0 = os.getloadavg()[0], time.perf_counter()
+
+    def measure(ranks, arm, rep):
+        spec = {"arm": arm, "num_workers": cfg.num_workers, "row": cfg.row,
+                "node_workers": node_workers_given(cfg, ranks) if arm == "node" else None,
+                "resolution": cfg.resolution, "batches": cfg.batches,
+                "warmup_batches": cfg.warmup_batches, "seed": cfg.seed + max(rep, 0),
+                "loader_timeout": cfg.loader_timeout, "timeout": cfg.timeout}
+        return run_job(spec, ranks, cfg.timeout)
+
+    raw = common.interleave(cfg.ranks_list, cfg.arms_list, measure, reps=cfg.reps,
+                            warmup_reps=cfg.warmup_reps, label=NAME, stagger=True,
+                            show=lambda m: (f"{m['processes']} processes, {m['pss_mib']:.0f} MiB PSS, "
+                                            f"{m['batch_s']:.2f} batches/s per rank (median)"))
+    nw = ("not given (num_workers)" if cfg.node_workers is None else
+          "ranks × num_workers" if cfg.node_workers == "total" else str(cfg.node_workers))
+    head = (f"## One pool per node (bench/node.py{' --quick' if cfg.quick else ''})\n\n"
+            f"torchrun --standalone, gloo on CPU, one node; each rank a DistributedSampler "
+            f"(shuffle, seed {cfg.seed}) and num_workers={cfg.num_workers} (fork); node arm's "
+            f"node_workers: {nw}; batch {common.BATCH} × {cfg.resolution}², row {cfg.row} "
+            f"({common.ROW_LABEL[cfg.row]}); per rank: first batch, {cfg.warmup_batches} warm-up, "
+            f"{cfg.batches} timed batches of next()+del; {cfg.reps} rep(s), each arm its own "
+            f"torchrun job; this tree {here or '?'}; {common.env_line()}; 1-min load average "
+            f"{load0:.2f} at the start, {os.getloadavg()[0]:.2f} at the end; run took "
+            f"{time.perf_counter() - t0:.0f} s.\n\n"
+            "Per-rank rows: median [min–max] over every rank of every repetition; the others "
+            "over repetitions. ÷ columns: per-repetition ratios between arms run side by side "
+            "(per-rank metrics: each job's median over its ranks). Job processes: torchrun's "
+            "live descendants and the members of its and its ranks' sessions, torchrun "
+            "excluded; node PSS: their smaps_rollup Pss summed. Process counts and PSS hardly "
+            "depend on load; times on a shared 2-core machine do.\n\n")
+    metrics = [m for m, _, _ in ROWS] + ["rank_pss_mib", "torchrun_pss_mib", "first_s_max"]
+    common.write_outputs(cfg, head + table(raw, cfg),
+                         {"raw": raw.as_json(), "summaries": common.summaries(raw, metrics, "pool"
+                                                                              if "pool" in cfg.arms_list
+                                                                              else None),
+                          "targets": targets(raw, cfg), "tree_rev": here})
+    if cfg.plot:
+        common.plot_bars(cfg.plot, [f"{r} ranks" for r in raw.cells],
+                         {ARM_LABEL[a]: [common.summarize(raw.series(r, a, "pss_mib")) for r in raw.cells]
+                          for a in ARMS if a in cfg.arms_list},
+                         ylabel="node PSS, MiB (sum over the job's processes)",
+                         title=f"one pool per node: num_workers={cfg.num_workers} per rank")
+    return 0 if not common.wait_no_children() else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
