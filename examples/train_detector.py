@@ -334,6 +334,7 @@ def train(args, ranks: Ranks | None = None) -> dict:
 
     losses, next_s, step_end, seen = [], [], [], []
     stats = None
+    worker_pids: set[int] = set()
     bar = progress(steps, args.progress and ranks.rank == 0)
     start = time.perf_counter()
     epoch = 0
@@ -342,6 +343,9 @@ def train(args, ranks: Ranks | None = None) -> dict:
             if sampler is not None:
                 sampler.set_epoch(epoch)
             it = iter(loader)
+            # a PoolLoader's worker processes (with --node-pool, the node's: the same on
+            # every local rank); none for DataLoader
+            worker_pids.update(getattr(it, "worker_pids", ()))
             while len(losses) < steps:
                 t0 = time.perf_counter()
                 try:
@@ -403,6 +407,7 @@ def train(args, ranks: Ranks | None = None) -> dict:
         "image_ids": seen,
         "loader_stats": stats,
         "pid": os.getpid(),
+        "worker_pids": sorted(worker_pids),
         "torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
     }
     return result

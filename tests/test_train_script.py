@@ -93,6 +93,8 @@ DDP_ARMS = {  # name: (what runs under torchrun, the script's --loader)
     "pool": ([SCRIPT], "pool"),
     "torch": ([SCRIPT], "torch"),
     "runner": (["-m", "poolloader", SCRIPT], "torch"),  # its DataLoader made a PoolLoader
+    # and that PoolLoader a node pool: both ranks' workers are local rank 0's processes
+    "node": (["-m", "poolloader", "--node-pool", SCRIPT], "torch"),
 }
 
 
@@ -157,13 +159,18 @@ def test_torchrun_ranks_have_the_same_losses_under_every_loader(ddp_runs):
         # gloo's CPU allreduce sums in a fixed order: bit-identical, as in one process
         assert losses["pool"] == losses["torch"], f"rank {rank}"
         assert losses["runner"] == losses["torch"], f"rank {rank}"
+        assert losses["node"] == losses["torch"], f"rank {rank}"
     first = runs["pool"][2]
     assert [r["rank"] for r in first] == list(range(DDP_RANKS))
     assert {r["world_size"] for r in first} == {DDP_RANKS}
     assert first[0]["losses"] != first[1]["losses"]  # each rank its own batches
-    for results in (first, runs["runner"][2]):
+    for results in (first, runs["runner"][2], runs["node"][2]):
         assert all(r["loader_stats"]["batches"] == DDP_STEPS for r in results)
     assert all(r["loader_stats"] is None for r in runs["torch"][2])
+    node = [r["worker_pids"] for r in runs["node"][2]]
+    assert len(node[0]) == 2 and node[0] == node[1], node  # the node's num_workers processes
+    own = [set(r["worker_pids"]) for r in runs["runner"][2]]
+    assert own[0] and not own[0] & own[1], own  # without --node-pool, each rank its own
 
 
 def test_torchrun_ranks_share_each_epoch_and_reshuffle(ddp_runs):

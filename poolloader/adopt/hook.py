@@ -71,6 +71,9 @@ def pool_option_names() -> tuple[str, ...]:
 # Pool options that belong to one loader, not to a script: node_workers is bounded by each
 # loader's own num_workers, so the runner does not offer it (poolloader.adopt.runner).
 PER_LOADER_OPTIONS = ("node_workers",)
+# Pool options whose runner flag takes no value (`python -m poolloader --node-pool x.py`):
+# given, the option is True; its environment variable still takes true/false/1/0.
+SWITCH_OPTIONS = ("node_pool",)
 
 
 def runner_option_names() -> tuple[str, ...]:

@@ -63,6 +63,12 @@ def _parser() -> argparse.ArgumentParser:
     group = p.add_argument_group("pool options (PoolLoader keyword arguments)")
     defaults = inspect.signature(PoolLoader.__init__).parameters
     for name in hook.runner_option_names():
+        if name in hook.SWITCH_OPTIONS:
+            group.add_argument(_flag(name), dest=name, action="store_const", const="true",
+                               default=None,
+                               help=f"PoolLoader(..., {name}=True); env {ENV_PREFIX}"
+                                    f"{name.upper()} (true, false, 1 or 0)")
+            continue
         switch = isinstance(defaults[name].default, bool)
         group.add_argument(_flag(name), dest=name, metavar="true|false" if switch else "VALUE",
                            default=None,
@@ -75,7 +81,8 @@ def split_argv(argv: list[str]) -> tuple[list[str], str | None, str | None, list
     """(runner options, script, module, script args): the runner's options end at the
     first argument that is not one of them; everything after SCRIPT / `-m MODULE` is the
     script's, even if it looks like a runner option (`--loader torch`)."""
-    takes_value = {"--loader"} | {_flag(n) for n in hook.runner_option_names()}
+    takes_value = {"--loader"} | {_flag(n) for n in hook.runner_option_names()
+                                  if n not in hook.SWITCH_OPTIONS}
     i = 0
     while i < len(argv):
         arg = argv[i]
@@ -121,7 +128,7 @@ def pool_options(parsed: argparse.Namespace, environ=os.environ) -> dict:
             texts[name], sources[name] = environ[env], f"{env}={environ[env]}"
     defaults = inspect.signature(PoolLoader.__init__).parameters
     for name, text in texts.items():
-        if isinstance(defaults[name].default, bool):
+        if isinstance(defaults[name].default, bool) or name in hook.SWITCH_OPTIONS:
             if text.strip().lower() not in _BOOLEANS:
                 _parser().error(f"{sources[name]}: {name} must be one of true, false, 1, 0 "
                                 f"(any case), got {text!r}")
