@@ -14,6 +14,8 @@ Cases:
         pool iterates.
   iterable  an IterableDataset that shards by get_worker_info() and rank.
   mismatch  rank 1 builds its loader with batch_size 5: records the error.
+  resume  three batches, state_dict(), a second node-pool loader resumes from it: the
+        epoch must equal DataLoader's.
   rank_killed  rank 1 takes two batches, records its pool's memfd inodes, and
         SIGKILLs itself; rank 0 goes on: its epoch must equal DataLoader's, and the
         node's processes must unmap rank 1's pool.
@@ -178,6 +180,18 @@ def main() -> dict:
         meet("done")  # rank 0's loader lives until then: it hosts while it lives
         del kept
         return {"error": error}
+    if CASE == "resume":
+        expected = epochs(loader(DataLoader), n=1)[0]
+        first, _ = loader(PoolLoader, node_pool=True)
+        it = iter(first)
+        head = [[t.clone() for t in next(it)] for _ in range(3)]
+        state = first.state_dict()
+        again, _ = loader(PoolLoader, node_pool=True)  # the next node-pool loader of every rank
+        again.load_state_dict(state)
+        rest = [[t.clone() for t in b] for b in again]
+        meet("done")
+        del it
+        return {"equal": same([expected], [head + rest]), "batches": len(head + rest)}
     if CASE == "rank_killed":
         expected = epochs(loader(DataLoader, n=FAULT_SAMPLES), n=1)
         pool, sampler = loader(PoolLoader, n=FAULT_SAMPLES, node_pool=True)

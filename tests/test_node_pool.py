@@ -89,6 +89,12 @@ def test_an_iterable_dataset_shards_by_worker_and_rank(tmp_path):
     assert all(r["batches"] == 10 for r in results)  # 15 items a worker, 3 a batch
 
 
+def test_each_rank_resumes_mid_epoch_exactly(tmp_path):
+    results, codes, logs = _ranks(tmp_path, "resume", 2)
+    assert codes == [0, 0], logs
+    assert all(r["equal"] and r["batches"] == 6 for r in results), (results, logs)
+
+
 def test_a_rank_whose_loader_differs_is_told_what_differs(tmp_path):
     results, codes, logs = _ranks(tmp_path, "mismatch", 2)
     assert codes == [0, 0], logs
