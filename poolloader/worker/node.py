@@ -129,7 +129,11 @@ class _Served:
         try:
             group = _Group(key, cfgs, self.current)
         except Exception:
-            return  # the rank left before this process could attach its pool
+            # the rank left before this process could attach its pool; the current
+            # worker may have been left (its RNG states kept) before the failure: the
+            # next one to run is entered, so that it gets its own back
+            self.current = None
+            return
         self.groups[key] = group
         self.current = group.workers[-1]
         self.entries += [(group, lw) for lw in group.workers]
