@@ -145,6 +145,20 @@ def test_without_torchrun_node_pool_is_an_ordinary_loader(monkeypatch):
     assert PoolLoader(data, num_workers=2, node_pool=True)._node is None
 
 
+def test_a_process_that_inherits_a_ranks_environment_is_not_that_rank(monkeypatch):
+    """A worker or subprocess of a rank has torchrun's variables too: its loaders are
+    ordinary ones, not another member of the node pool."""
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", f"pltest-{uuid.uuid4().hex}")
+    monkeypatch.setenv("POOLLOADER_NODE_RANK_PID", str(os.getppid()))  # the rank: our parent
+    monkeypatch.setenv("POOLLOADER_NODE_TIMEOUT", "1")  # were it a rank: no host, an error
+    data = [torch.full((2,), i) for i in range(6)]
+    loader = PoolLoader(data, batch_size=2, num_workers=1, node_pool=True)
+    assert loader._node is None
+    assert [b.tolist() for b in loader] == [b.tolist() for b in DataLoader(data, batch_size=2)]
+
+
 def test_bad_values_are_refused(monkeypatch):
     data = list(range(4))
     with pytest.raises(ValueError, match="node_pool must be True, False or None"):
@@ -160,6 +174,7 @@ def test_bad_values_are_refused(monkeypatch):
     with pytest.raises(ValueError, match="from 1 to 4"):
         PoolLoader(data, num_workers=2, node_workers=5)
     monkeypatch.setenv("POOLLOADER_NODE_TIMEOUT", "0.3")
+    monkeypatch.setenv("POOLLOADER_NODE_RANK_PID", str(os.getpid()))  # undone after the test
     began = time.monotonic()
     with pytest.raises(RuntimeError, match="found no node pool to join within 0 s"):
         PoolLoader(data, num_workers=2)  # local rank 1, and no rank 0

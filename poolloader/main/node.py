@@ -44,6 +44,10 @@ from poolloader.worker.node import node_loop
 from poolloader.worker.popen import start_without_pipes
 
 NODE_POOL_ENV = "POOLLOADER_NODE_POOL"
+# Set by a rank when it joins its first node pool, to its pid: a process that inherits
+# torchrun's variables from a rank (a worker, a subprocess) is not that rank, and its
+# loaders are ordinary ones (local_group).
+RANK_PID_ENV = "POOLLOADER_NODE_RANK_PID"
 TIMEOUT_ENV = "POOLLOADER_NODE_TIMEOUT"
 # How long a rank waits for local rank 0's loader to listen, and the host for its
 # physical processes to start (seconds; TIMEOUT_ENV overrides).
@@ -82,6 +86,8 @@ def local_group() -> tuple[int, int, str] | None:
     run_id = env.get("TORCHELASTIC_RUN_ID")
     if not run_id or size < 2 or not 0 <= rank < size:
         return None
+    if env.get(RANK_PID_ENV, str(os.getpid())) != str(os.getpid()):
+        return None  # a child of the rank (module docstring of RANK_PID_ENV)
     return rank, size, f"{run_id}/{env.get('GROUP_RANK', '0')}"
 
 
@@ -479,6 +485,7 @@ def join(loader, ctx, processes: int, group: tuple[int, int, str]) -> _Node:
         raise OSError(f"PoolLoader(node_pool=True) needs anonymous shared memory that other "
                       f"processes can open: {why_not}; pass node_pool=False")
     rank, size, run_key = group
+    os.environ[RANK_PID_ENV] = str(os.getpid())
     address = _address(run_key, next(_ordinal))
     mine = fingerprint(loader, processes)
     timeout = _timeout()
