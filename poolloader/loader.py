@@ -100,7 +100,8 @@ class PoolLoader(DataLoader[T_co]):
                   batches (docs/node.md). Without torchrun (or with one local
                   rank) an ordinary loader. None (default): the POOLLOADER_NODE_POOL
                   environment variable (1 or 0; unset: False).
-    Nothing is created until the loader is iterated. `stats` holds counters;
+    Nothing is created until the loader is iterated (with node_pool under torchrun,
+    local rank 0 starts the node's processes as the loader is built). `stats` holds counters;
     `stats.advice()` reads them: which side is the bottleneck, what to change.
 
     `state_dict()` / `load_state_dict()` resume mid-epoch, bit-identically,

@@ -102,9 +102,14 @@ def _timeout() -> float:
 
 
 def _address(run_key: str, k: int) -> bytes:
+    """The rendezvous name: the uid, the PID namespace, the torchrun agent (every local
+    rank's parent: torchrun's default run id, "none", is shared by every job), the run
+    id, node rank and restart, and the loader's ordinal."""
     namespace = os.stat("/proc/self/ns/pid").st_ino
-    run = hashlib.blake2b(run_key.encode(), digest_size=8).hexdigest()
-    return f"\0poolloader-{os.getuid()}-{namespace}-{run}-{k}".encode()
+    run = hashlib.blake2b(
+        f"{run_key}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}".encode(),
+        digest_size=8).hexdigest()
+    return f"\0poolloader-{os.getuid()}-{namespace}-{os.getppid()}-{run}-{k}".encode()
 
 
 def _name(obj) -> str:
@@ -157,9 +162,22 @@ def _recv(sock: socket.socket):
     return pickle.loads(_recv_exactly(sock, n))
 
 
-def _peer_uid(sock: socket.socket) -> int:
+def _parent_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return int(stat[stat.rfind(b")") + 2:].split()[1])
+
+
+def _peer_is_a_local_rank(sock: socket.socket) -> bool:
+    """Whether the other end is a process of this user, in this PID namespace, whose
+    parent is ours (torchrun's agent): another local rank of this job. Checked before
+    anything it sends is unpickled."""
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", creds)[1]  # (pid, uid, gid)
+    pid, uid, _gid = struct.unpack("3i", creds)
+    return uid == os.getuid() and pid > 0 and _parent_of(pid) == os.getppid()
 
 
 def _held_socket() -> socket.socket:
@@ -270,7 +288,8 @@ class NodeHost(_Node):
         self.local_rank = 0
         self.host_pid = os.getpid()
         self._mine = mine
-        self._lock = threading.Lock()
+        # RLock: a collection inside _forward may run the loader's finaliser, so close()
+        self._lock = threading.RLock()
         self._closed = False
         self._listener: socket.socket | None = None
         self._clients = 0  # ranks connected (each lets go when its loader is gone)
@@ -282,7 +301,9 @@ class NodeHost(_Node):
         self.segment = NodeSegment.create(processes)
         try:
             for p in range(processes):
-                read, write = ctx.Pipe(duplex=False)
+                with fork.creating():  # a child forked later closes the write end
+                    read, write = ctx.Pipe(duplex=False)
+                    fork.hold(write.fileno())
                 self._workers.append(start_without_pipes(ctx, node_loop,
                                                          (p, self.segment.locator, read)))
                 read.close()
@@ -344,12 +365,12 @@ class NodeHost(_Node):
                     sock = key.fileobj
                     if sock is listener:
                         try:
-                            conn, _ = listener.accept()
+                            with fork.creating():  # no fork between the accept and the hold
+                                conn, _ = listener.accept()
+                                fork.hold(conn.fileno())
                         except OSError:
                             continue
-                        with fork.creating():
-                            fork.hold(conn.fileno())
-                        if _peer_uid(conn) != os.getuid():
+                        if not _peer_is_a_local_rank(conn):
                             _close_socket(conn)
                             continue
                         conn.settimeout(30.0)
@@ -359,7 +380,7 @@ class NodeHost(_Node):
                         continue
                     try:
                         self._answer(sock, _recv(sock))  # type: ignore[arg-type]
-                    except (OSError, ConnectionError, EOFError, pickle.PickleError, ValueError):
+                    except Exception:  # that rank let go, died, or sent what cannot be read
                         selector.unregister(sock)
                         _close_socket(sock)  # type: ignore[arg-type]
                         self._clients -= 1  # that rank let go (or died)
@@ -379,15 +400,21 @@ class NodeHost(_Node):
             else:
                 _send(sock, ("welcome", self.segment.locator, self.pids))
         elif message[0] == "attach":
-            self._forward(message[1], message[2])
+            try:
+                self._forward(message[1], message[2])
+            except Exception as e:
+                _send(sock, ("failed", f"{type(e).__name__}: {e}"))
+            else:
+                _send(sock, ("attached",))
 
     def close(self) -> None:
         """Stop everything, once the other ranks let go (bounded by LINGER_S): the
         listener, the physical processes (told, then the ladder), the node segment (the
         host's lock goes: a rank still loading sees it within a tick)."""
         deadline = time.monotonic() + LINGER_S
-        while (self._clients > 0 or self._came < self._expected) and self._thread is not None \
-                and self._thread.is_alive() and time.monotonic() < deadline:
+        listening = self._thread is not None and self._thread is not threading.current_thread()
+        while (self._clients > 0 or self._came < self._expected) and listening \
+                and self._thread.is_alive() and time.monotonic() < deadline:  # type: ignore[union-attr]
             time.sleep(0.01)
         with self._lock:
             if self._closed:
@@ -396,15 +423,15 @@ class NodeHost(_Node):
             for pipe in self._pipes:
                 try:
                     pipe.send(None)
-                    pipe.close()
                 except OSError:
                     pass
+                fork.release(pipe.fileno(), lambda _fd, pipe=pipe: pipe.close())
             for bell in self.segment.bells:
                 bell.ring()
         # the host's lock first: a rank that then finds a process gone says the host left
         self.segment.close()
-        if self._thread is not None:
-            self._thread.join(2.0)
+        if listening:
+            self._thread.join(2.0)  # type: ignore[union-attr]
         _close_socket(self._listener)
         supervise.stop(self._workers)
 
@@ -433,9 +460,9 @@ class NodeClient(_Node):
                 time.sleep(0.05)
         self._sock = sock
         try:
-            if _peer_uid(sock) != os.getuid():
-                raise RuntimeError("PoolLoader(node_pool=True): the node pool's socket belongs "
-                                   "to another user")
+            if not _peer_is_a_local_rank(sock):
+                raise RuntimeError("PoolLoader(node_pool=True): the node pool's socket is held "
+                                   "by a process that is not a local rank of this job")
             sock.settimeout(max(1.0, deadline - time.monotonic()))
             _send(sock, ("hello", mine))
             answer = _recv(sock)
@@ -461,11 +488,15 @@ class NodeClient(_Node):
     def _forward(self, key, placed: dict) -> None:
         if self._sock is None:
             raise RuntimeError("PoolLoader(node_pool=True): this node pool was closed")
-        try:
+        try:  # bounded by the socket's timeout
             _send(self._sock, ("attach", key, placed))
-        except OSError as e:
+            answer = _recv(self._sock)
+        except (OSError, ConnectionError) as e:
             raise WorkerDied(f"PoolLoader(node_pool=True): the node pool's host, local rank 0 "
                              f"(pid {self.host_pid}), cannot be reached: {e}") from None
+        if answer[0] != "attached":
+            raise RuntimeError(f"PoolLoader(node_pool=True): local rank 0 could not hand this "
+                               f"rank's workers to the node's processes: {answer[1]}")
 
     def close(self) -> None:
         sock, self._sock = self._sock, None
@@ -480,6 +511,11 @@ def join(loader, ctx, processes: int, group: tuple[int, int, str]) -> _Node:
     (local rank 0) or join it; closed when the loader is collected, or at exit."""
     from poolloader.shm.backends import memfd
 
+    backend = loader.shm_backend or os.environ.get("POOLLOADER_SHM_BACKEND")
+    if backend not in (None, "", "memfd"):
+        raise ValueError(f"PoolLoader(node_pool=True) needs shm_backend='memfd' (the node's "
+                         f"processes open each rank's pool through /proc), got {backend!r}; "
+                         "pass node_pool=False to use it")
     why_not = memfd.supported()
     if why_not is not None:
         raise OSError(f"PoolLoader(node_pool=True) needs anonymous shared memory that other "

@@ -53,11 +53,12 @@ def hold(fd: int) -> None:
         _held_fds.add(fd)
 
 
-def release(fd: int) -> None:
-    """Close a descriptor recorded with `hold` (an owner lock goes with it)."""
+def release(fd: int, close=os.close) -> None:
+    """Close a descriptor recorded with `hold` (an owner lock goes with it). `close`:
+    what closes it, for a descriptor an object owns (`close(fd)`)."""
     with _lock:
         _held_fds.discard(fd)
-        os.close(fd)
+        close(fd)
 
 
 def _before_fork() -> None:

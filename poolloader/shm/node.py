@@ -7,7 +7,7 @@ physical worker processes) and mapped by every physical process and every rank:
     0    header, 8 u64: [0] NODE_MAGIC  [1] physical processes P  [2] host pid  [3..7] 0
     64   P request doorbells (DOORBELL_BYTES each): physical process p waits on its own;
          a rank rings it after each push to a request ring of a logical worker that p
-         hosts (worker i of every rank is hosted by p = i % P: control.hosted_by)
+         hosts (placement: poolloader.main.node)
 
 Liveness is read from open file description locks on the segment's bytes (they are
 advisory and cover bytes of the file, not its contents): the host holds a lock on

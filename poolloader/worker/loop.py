@@ -263,6 +263,12 @@ class LogicalWorker:
         return status
 
 
+def forget_worker_info() -> None:
+    """get_worker_info() says None again (no logical worker of this process runs: the
+    one that ran is gone, and its WorkerInfo would keep its dataset alive)."""
+    torch_worker._worker_info = None
+
+
 def prepare_process(worker_id: int) -> None:
     """What a DataLoader worker process sets up first: its signal handlers, its thread
     name, one intra-op thread; and the stack dumper of stall reports (before anything

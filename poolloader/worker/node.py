@@ -1,14 +1,14 @@
 """A physical process of a node pool (PoolLoader(node_pool=True)).
 
 The host (local rank 0) starts P of them once per node-pool loader; they serve the
-logical workers of every rank's iterators: logical worker i of each rank is hosted by
-process i % P (control.hosted_by). A rank's iterator attaches a *group* (its pool and
-its logical workers' configs, which the host forwards through this process's command
-pipe) and detaches it by closing its request rings, or by dying (its pool's owner
-lock goes). Each logical worker is the LogicalWorker of poolloader.worker.loop, built
-here from the rank's own pickled start payload (startup.load: its own copy of the
-rank's dataset, worker_init_fn and collate_fn), so its batches are its rank's
-DataLoader worker's.
+logical workers of every rank's iterators: logical worker i of local rank r is hosted
+by process (r × num_workers + i) % P (poolloader.main.node). A rank's iterator
+attaches a *group* (its pool and its logical workers' configs, which the host forwards
+through this process's command pipe) and detaches it by closing its request rings, or
+by dying (its pool's owner lock goes). Each logical worker is the LogicalWorker of
+poolloader.worker.loop, built here from the rank's own pickled start payload
+(startup.load: its own copy of the rank's dataset, worker_init_fn and collate_fn), so
+its batches are its rank's DataLoader worker's.
 
 Serving: one request at a time, round robin over every hosted logical worker of
 every group (a rank with more requests pending gets no more turns than its logical
@@ -29,6 +29,7 @@ from poolloader.worker.loop import (
     WORKER_TICK,
     LogicalWorker,
     WorkerConfig,
+    forget_worker_info,
     prepare_process,
     serve_request,
 )
@@ -43,6 +44,8 @@ class _Group:
         self.slots = WorkerSlots(cfgs[0].pool, cfgs[0].worker_id, tuple(c.worker_id for c in cfgs))
         self.writer = codec.SlotWriter()
         self.doorbell = self.slots.control.doorbell
+        if current is not None:
+            current.leave()  # unpickling and building a logical worker may draw and seed
         errors: list[BaseException | None] = []
         for cfg in cfgs:  # each its own copy, as each DataLoader worker has
             try:
@@ -50,8 +53,6 @@ class _Group:
                 errors.append(None)
             except Exception as e:  # reported as that worker's first reply
                 errors.append(e)
-        if current is not None:
-            current.leave()  # building a logical worker seeds this process's RNGs
         self.workers: list[LogicalWorker] = []
         for cfg, error in zip(cfgs, errors):
             if self.workers:
@@ -96,6 +97,19 @@ def _poll(entries: list, start: int) -> tuple[int, int | None] | None:
     return None
 
 
+def _rank_gone(cfg: WorkerConfig) -> bool:
+    """Whether the rank of `cfg` closed its pool or died (its control segment cannot be
+    opened, or its owner lock is gone)."""
+    try:
+        slots = WorkerSlots(cfg.pool, cfg.worker_id)
+    except Exception:
+        return True
+    try:
+        return not slots.owner_alive()
+    finally:
+        slots.close()
+
+
 def _serve(entry: tuple[_Group, LogicalWorker], slot: int, current: LogicalWorker | None,
            idle_since: int) -> LogicalWorker | None:
     """Serve one request of `entry`'s logical worker; returns the logical worker now
@@ -111,6 +125,10 @@ def _serve(entry: tuple[_Group, LogicalWorker], slot: int, current: LogicalWorke
         group.doorbell.ring()
     except RingClosed:
         return None
+    except Exception:
+        if group.slots.owner_alive():
+            raise  # loud: every rank's next wait says this process died
+        return None  # its rank died while this process served it (a slot it cannot map)
     return lw
 
 
@@ -129,11 +147,12 @@ class _Served:
         try:
             group = _Group(key, cfgs, self.current)
         except Exception:
-            # the rank left before this process could attach its pool; the current
-            # worker may have been left (its RNG states kept) before the failure: the
-            # next one to run is entered, so that it gets its own back
+            # the current worker may have been left (its RNG states kept) before the
+            # failure: the next one to run is entered, so that it gets its own back
             self.current = None
-            return
+            if _rank_gone(cfgs[0]):
+                return  # the rank left before this process could attach its pool
+            raise  # loud: every rank's next wait says this process died
         self.groups[key] = group
         self.current = group.workers[-1]
         self.entries += [(group, lw) for lw in group.workers]
@@ -142,6 +161,7 @@ class _Served:
         group = self.groups.pop(key)
         if self.current is not None and any(self.current is lw for lw in group.workers):
             self.current = None  # its RNG states go with it
+            forget_worker_info()
         self.entries = [(g, lw) for g, lw in self.entries if g is not group]
         self.start = 0
         group.close()
@@ -151,8 +171,13 @@ class _Served:
         others' pools changed."""
         for key in [k for k, g in self.groups.items() if not g.slots.owner_alive()]:
             self.drop(key)
-        for key in self.groups:
-            self.groups[key].sync()
+        for key in list(self.groups):
+            try:
+                self.groups[key].sync()
+            except Exception:
+                if self.groups[key].slots.owner_alive():
+                    raise  # a live rank's pool this process cannot follow: loud
+                self.drop(key)  # it died meanwhile
 
     def close(self) -> None:
         for key in list(self.groups):
