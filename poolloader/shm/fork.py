@@ -53,12 +53,12 @@ def hold(fd: int) -> None:
         _held_fds.add(fd)
 
 
-def release(fd: int, close=os.close) -> None:
+def release(fd: int, close=None) -> None:
     """Close a descriptor recorded with `hold` (an owner lock goes with it). `close`:
-    what closes it, for a descriptor an object owns (`close(fd)`)."""
+    what closes it, for a descriptor an object owns (`close(fd)`); os.close by default."""
     with _lock:
         _held_fds.discard(fd)
-        close(fd)
+        (close or os.close)(fd)
 
 
 def _before_fork() -> None:
