@@ -177,15 +177,3 @@ def shmem_bytes() -> int:
     """The machine's shmem in use (/proc/meminfo Shmem): /dev/shm files and memfds."""
     with open("/proc/meminfo") as f:
         return int(next(line for line in f if line.startswith("Shmem:")).split()[1]) * 1024
-
-
-def uss(pid="self") -> int:
-    """Bytes only `pid` maps (Private_Clean + Private_Dirty of /proc/<pid>/smaps_rollup):
-    a forked child's pages still shared with its parent or a sibling do not count, each
-    page it copied on write does."""
-    total = 0
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        for line in f:
-            if line.startswith(("Private_Clean:", "Private_Dirty:")):
-                total += int(line.split()[1]) * 1024  # kB
-    return total
