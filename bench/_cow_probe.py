@@ -81,8 +81,20 @@ class Annotations:
 
 def _record_start(directory: str, worker_id: int) -> None:
     """worker_init_fn: this worker's pid and USS before it reads any sample."""
+    from poolloader.main.memory import read_process
+
     with open(os.path.join(directory, str(worker_id)), "w") as f:
-        f.write(f"{os.getpid()} {common.uss_bytes()}")
+        f.write(f"{os.getpid()} {read_process(os.getpid())['uss']}")
+
+
+def _uss(pid: int) -> int:
+    """`pid`'s USS (Private_Clean + Private_Dirty), read by poolloader's memory reader."""
+    from poolloader.main.memory import read_process
+
+    figures = read_process(pid)
+    if figures is None:
+        raise SystemExit(f"worker pid {pid} exited before its memory was read")
+    return figures["uss"]
 
 
 def cow_growth(loader_cls: type, dataset: Any, num_workers: int = 4, *, batch_size: int = 256,
@@ -122,7 +134,7 @@ def cow_growth(loader_cls: type, dataset: Any, num_workers: int = 4, *, batch_si
                 with open(os.path.join(directory, str(worker_id))) as f:
                     pid, uss = (int(v) for v in f.read().split())
                 starts[worker_id] = (pid, uss)
-            ends = [common.uss_bytes(starts[w][0]) for w in range(num_workers)]
+            ends = [_uss(starts[w][0]) for w in range(num_workers)]
         finally:
             if it is not None:
                 common.shutdown_iterator(it)

@@ -28,7 +28,7 @@ Writers: `markdown_table`, `write_outputs` (the table to stdout and
 `plot_bars` / `draw_bars` (PNG through matplotlib's Agg backend; they return
 None when matplotlib is not installed).
 
-/proc (`fd_count`, `cpu_ns`, `rss_bytes`, `uss_bytes`, `shm_mapped_bytes`, `processes`,
+/proc (`fd_count`, `cpu_ns`, `rss_bytes`, `shm_mapped_bytes`, `processes`,
 `live_children`, `session_pids`, `pids_running`) and hygiene (`note_workers`,
 `our_shm_names`, `wait_clean`): one reader of the process table for all benches.
 
@@ -59,6 +59,7 @@ import os
 import platform
 import random
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -576,19 +577,6 @@ def rss_bytes(pid: int | str = "self") -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def uss_bytes(pid: int | str = "self") -> int:
-    """Unique set size of `pid`: the memory only it maps (Private_Clean + Private_Dirty
-    of /proc/<pid>/smaps_rollup), what the kernel frees when it exits. Pages a forked
-    child still shares with its parent or siblings are not counted; each page it
-    copies on write is."""
-    total = 0
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        for line in f:
-            if line.startswith(("Private_Clean:", "Private_Dirty:")):
-                total += int(line.split()[1]) * 1024  # kB
-    return total
-
-
 def shm_mapped_bytes(pid: int | str = "self") -> int:
     """Bytes of shared memory objects that `pid` maps: /dev/shm files (unlinked ones
     included) and memfd segments (poolloader's default backend), each (object, offset,
@@ -719,6 +707,77 @@ def remove_baseline_tree(where: str) -> None:
     subprocess.run(["git", "-C", REPO, "worktree", "remove", "--force", os.path.join(where, "baseline")],
                    capture_output=True)
     shutil.rmtree(where, ignore_errors=True)
+
+
+# one arm in a fresh interpreter (bench/throughput.py, bench/memory.py): the script runs
+# itself with `--child JSON`, the child measures and prints one JSON line
+
+SKIPPED = "skipped"  # the key a child prints instead of figures when its arm cannot run here
+
+
+def use_tree(tree: str) -> None:
+    """In an arm's child: put `tree` (this repository or a `baseline_tree`) first on
+    sys.path in this repository's place; call it before importing poolloader."""
+    if tree != REPO:
+        sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != REPO]
+        sys.path.insert(0, tree)
+
+
+def check_tree(module, tree: str) -> None:
+    """In an arm's child: exit saying so unless `module` (poolloader) came from `tree`."""
+    where = os.path.dirname(os.path.dirname(os.path.abspath(module.__file__)))
+    if where != tree:
+        raise SystemExit(f"imported {module.__name__} from {where}, not from {tree}")
+
+
+def arm_leftovers(names0: set[str], pids: Iterable[int], timeout: float = 10.0) -> list[str]:
+    """In an arm's child, after its loader shut down: what the arm left, waiting at most
+    `timeout` s for it to go. Live children (multiprocessing's resource tracker and
+    forkserver excepted) and the /dev/shm names that appeared since `names0` carrying
+    this process's pid or one of `pids` (poolloader's POSIX names and torch's both do;
+    found by token, so nothing of either tree is imported)."""
+    ours = {str(os.getpid())} | {str(p) for p in pids}
+    deadline = time.monotonic() + timeout
+    while True:
+        children = wait_no_children(0)
+        names = sorted(x for x in shm_names() - names0 if ours & set(x.replace("_", "-").split("-")))
+        if (not children and not names) or time.monotonic() > deadline:
+            return [f"child pid {c}" for c in children] + [f"{SHM_DIR}/{x}" for x in names]
+        time.sleep(0.05)
+
+
+def run_arm(script: str, spec: dict, timeout: float) -> dict:
+    """Run one arm: `script --child JSON(spec)` in a fresh interpreter importing
+    `spec["tree"]`, in its own session; past `timeout` the whole session (the arm and its
+    workers) is killed, so nothing runs into the next arm. Returns the child's last JSON
+    line less its `left` list; raises BenchError when the arm ran too long, failed, left
+    something behind (`left`, from `arm_leftovers`) or printed `SKIPPED` (with why)."""
+    env = dict(os.environ, PYTHONPATH=spec["tree"])
+    proc = subprocess.Popen([sys.executable, script, "--child", json.dumps(spec)], cwd=spec["tree"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for pid in session_pids(proc.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        _, stderr = proc.communicate(timeout=30)
+        tail = " | ".join(stderr.strip().splitlines()[-3:])
+        raise BenchError(f"arm {spec['arm']} ran past {timeout:.0f} s (killed); "
+                         f"its stderr ended: {tail or '(nothing)'}") from None
+    if proc.returncode:
+        raise BenchError(f"arm {spec['arm']} exited {proc.returncode}: "
+                         f"{(stderr.strip().splitlines() or [''])[-1]}")
+    result = json.loads(stdout.strip().splitlines()[-1])
+    if SKIPPED in result:
+        raise BenchError(f"{SKIPPED}: {result[SKIPPED]}")
+    left = result.pop("left")
+    if left:
+        raise BenchError(f"arm {spec['arm']} left behind: {', '.join(left)}")
+    return result
 
 
 # ---------------------------------------------------------------------------

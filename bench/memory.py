@@ -45,7 +45,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -67,7 +66,6 @@ TARGETS = [
     ("b", "uss_growth_mib", "frozen", "dl", 0.2, "le", "USS growth ≤ 0.2 × DataLoader's"),
     ("c", "batch_s", "stateful", "dl", 0.9, "ge", "batches/s ≥ 0.9 × DataLoader's"),
 ]
-SKIPPED = "skipped"  # what a child prints instead of figures when its arm cannot run here
 
 
 # ---------------------------------------------------------------------------
@@ -95,10 +93,7 @@ def child(spec: dict) -> None:
     """One arm in this fresh interpreter: prints one JSON line (figures, or `skipped`)."""
     sys.path.insert(0, os.path.dirname(HERE))
     import common  # puts ROOT first on sys.path: the tree to measure goes in front of it
-    tree = spec["tree"]
-    if tree != ROOT:
-        sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != ROOT]
-        sys.path.insert(0, tree)
+    common.use_tree(spec["tree"])
     import multiprocessing
 
     import torch
@@ -106,9 +101,7 @@ def child(spec: dict) -> None:
 
     import poolloader
 
-    where = os.path.dirname(os.path.dirname(os.path.abspath(poolloader.__file__)))
-    if where != tree:
-        raise SystemExit(f"imported poolloader from {where}, not from {tree}")
+    common.check_tree(poolloader, spec["tree"])
     reader = _smaps_reader()
     from _memory_data import Arrays, ModuleDataset, Records  # bench/: on sys.path here
     part, arm, workers = spec["part"], spec["arm"], spec["workers"]
@@ -123,7 +116,7 @@ def child(spec: dict) -> None:
         if arm == "frozen":
             frozen = getattr(poolloader, "frozen", None)
             if frozen is None:
-                print(json.dumps({SKIPPED: "no poolloader.frozen in this tree"}))
+                print(json.dumps({common.SKIPPED: "no poolloader.frozen in this tree"}))
                 return
             items = frozen(items)
         data = Records(items)
@@ -174,51 +167,9 @@ def child(spec: dict) -> None:
     finally:
         common.shutdown_iterator(it)
         del it, loader
-    # what this arm left (bounded waits), as bench/throughput.py checks it; the
-    # forkserver and resource tracker are multiprocessing's, not the loader's
-    children = common.wait_no_children()
-    ours = {str(os.getpid())} | {str(p) for p in pids}
-    deadline = time.monotonic() + 10.0
-    while True:
-        names = sorted(x for x in common.shm_names() - names0
-                       if ours & set(x.replace("_", "-").split("-")))
-        if not names or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    result["left"] = [f"child pid {c}" for c in children] + [f"/dev/shm/{x}" for x in names]
+    # what this arm left (bounded wait), as bench/throughput.py checks it
+    result["left"] = common.arm_leftovers(names0, pids)
     print(json.dumps(result))
-
-
-def run_child(spec: dict, timeout: float) -> dict:
-    """One arm in a fresh interpreter in its own session; past `timeout` the session (the
-    arm and its workers) is killed. A skipped arm raises common.BenchError with why."""
-    import common
-    env = dict(os.environ, PYTHONPATH=spec["tree"])
-    proc = subprocess.Popen([sys.executable, HERE, "--child", json.dumps(spec)], cwd=spec["tree"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        for pid in common.session_pids(proc.pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        _, stderr = proc.communicate(timeout=30)
-        tail = " | ".join(stderr.strip().splitlines()[-3:])
-        raise common.BenchError(f"arm {spec['arm']} ran past {timeout:.0f} s (killed); "
-                                f"its stderr ended: {tail or '(nothing)'}") from None
-    if proc.returncode:
-        raise common.BenchError(f"arm {spec['arm']} exited {proc.returncode}: "
-                                f"{(stderr.strip().splitlines() or [''])[-1]}")
-    result = json.loads(stdout.strip().splitlines()[-1])
-    if SKIPPED in result:
-        raise common.BenchError(f"{SKIPPED}: {result[SKIPPED]}")
-    left = result.pop("left")
-    if left:
-        raise common.BenchError(f"arm {spec['arm']} left behind: {', '.join(left)}")
-    return result
 
 
 # ---------------------------------------------------------------------------
@@ -258,7 +209,7 @@ def table(raw, cfg) -> str:
         for cell in [c for c in raw.cells if c[0] == part]:
             for arm in arms:
                 row = [cell[1], ARM_LABEL[arm]]
-                skipped = [e for e in raw.errors[cell][arm] if e.startswith(SKIPPED)]
+                skipped = [e for e in raw.errors[cell][arm] if e.startswith(common.SKIPPED)]
                 for metric, _head, spec in metrics:
                     if skipped and not raw.ok(cell, arm):
                         row += [skipped[0], "–"]
@@ -343,7 +294,7 @@ def main(argv=None) -> int:
                     "tensor_mib": cfg.tensor_mib, "batches": cfg.batches, "dicts": cfg.dicts,
                     "cow_items": cfg.cow_items, "buffer_mib": cfg.buffer_mib,
                     "seconds": cfg.seconds, "min_batches": cfg.min_batches}
-            return run_child(spec, cfg.timeout)
+            return common.run_arm(HERE, spec, cfg.timeout)
 
         raw = _interleave_parts(common, cells, cfg, measure)
     finally:

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -62,18 +61,13 @@ def child(spec: dict) -> None:
     """One arm in this fresh interpreter: prints one JSON line of results."""
     sys.path.insert(0, os.path.dirname(HERE))
     import common  # puts ROOT first on sys.path: the tree to measure goes in front of it
-    tree = spec["tree"]
-    if tree != ROOT:
-        sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != ROOT]
-        sys.path.insert(0, tree)
+    common.use_tree(spec["tree"])
     import torch  # noqa: F401  (imported before the clock starts)
     from torch.utils.data import DataLoader
 
     import poolloader
 
-    where = os.path.dirname(os.path.dirname(os.path.abspath(poolloader.__file__)))
-    if where != tree:
-        raise SystemExit(f"imported poolloader from {where}, not from {tree}")
+    common.check_tree(poolloader, spec["tree"])
     arm, row, workers = spec["arm"], spec["row"], spec["workers"]
     pool = arm != "dl"
     # lazy: an item is built when asked for
@@ -103,51 +97,10 @@ def child(spec: dict) -> None:
     finally:
         common.shutdown_iterator(it)
         del it
-    # what this arm left: children still alive, and /dev/shm names that appeared during
-    # it carrying its pid or a worker's (poolloader's POSIX names and torch's both do;
-    # found by token, so the check imports nothing of either tree); bounded wait
-    ours = {str(os.getpid())} | {str(p) for p in pids}
-    deadline = time.monotonic() + 10.0
-    while True:
-        children = common.live_children()
-        names = sorted(x for x in common.shm_names() - names0
-                       if ours & set(x.replace("_", "-").split("-")))
-        if (not children and not names) or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
+    # what this arm left (children, /dev/shm names with its pid or a worker's): bounded wait
+    left = common.arm_leftovers(names0, pids)
     print(json.dumps({"batch_s": n / wall, "batches": n, "worker_cpu_ms": workers_ns / 1e6 / n,
-                      "main_cpu_ms": main_ns / 1e6 / n,
-                      "left": [f"child pid {c}" for c in children] + [f"/dev/shm/{x}" for x in names]}))
-
-
-def run_child(spec: dict, timeout: float) -> dict:
-    """Run one arm in a fresh interpreter in its own session; past `timeout`, the whole
-    session (the arm and its workers) is killed, so nothing runs into the next arm."""
-    import common
-    env = dict(os.environ, PYTHONPATH=spec["tree"])
-    proc = subprocess.Popen([sys.executable, HERE, "--child", json.dumps(spec)], cwd=spec["tree"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        for pid in common.session_pids(proc.pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        _, stderr = proc.communicate(timeout=30)
-        tail = " | ".join(stderr.strip().splitlines()[-3:])
-        raise common.BenchError(f"arm {spec['arm']} ran past {timeout:.0f} s (killed); "
-                                f"its stderr ended: {tail or '(nothing)'}") from None
-    if proc.returncode:
-        raise common.BenchError(f"arm {spec['arm']} exited {proc.returncode}: "
-                                f"{(stderr.strip().splitlines() or [''])[-1]}")
-    result = json.loads(stdout.strip().splitlines()[-1])
-    left = result.pop("left")
-    if left:
-        raise common.BenchError(f"arm {spec['arm']} left behind: {', '.join(left)}")
-    return result
+                      "main_cpu_ms": main_ns / 1e6 / n, "left": left}))
 
 
 def table(raw, cfg) -> str:
@@ -222,7 +175,7 @@ def main(argv=None) -> int:
             spec = {"arm": arm, "workers": cell[0], "row": cell[1], "tree": trees[arm],
                     "seconds": cfg.seconds, "min_batches": cfg.min_batches,
                     "resolution": cfg.resolution}
-            return run_child(spec, cfg.timeout)
+            return common.run_arm(HERE, spec, cfg.timeout)
 
         raw = common.interleave(cells, cfg.arms, measure, reps=cfg.reps, warmup_reps=cfg.warmup_reps,
                                 label=NAME, stagger=True, show=lambda m: f"{m['batch_s']:.1f} batches/s")

@@ -10,7 +10,8 @@ import random
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, IterableDataset, get_worker_info
+from _resume_cases import StatefulAugmentStream
+from torch.utils.data import Dataset
 
 
 def _draws(i: int, acc: float) -> dict:
@@ -58,31 +59,25 @@ class HistoryModule(torch.nn.Module, Dataset):
         return _draws(i, float(self.weight[0]) + int(self.served))
 
 
-class HistoryStream(IterableDataset):
-    """Worker w yields a shuffled share of range(n) (shuffled in __iter__, from the RNG)
-    with an accumulator; resumable through state_dict()/load_state_dict()."""
+class HistoryStream(StatefulAugmentStream):
+    """Worker w yields a shuffled share of range(n) (shuffled in __iter__, from the RNG:
+    tests/_resume_cases.py's resumable stream) with an accumulator fed by every item;
+    resumable through state_dict()/load_state_dict()."""
 
     def __init__(self, n=41):
-        self.n, self.seed, self.pos, self.acc = n, None, 0, 0.0
+        super().__init__(n)
+        self.acc = 0.0
 
-    def __iter__(self):
-        if self.seed is None:
-            self.seed = torch.randint(0, 1 << 30, ()).item()
-        info = get_worker_info()
-        w, nw = (info.id, info.num_workers) if info is not None else (0, 1)
-        mine = list(range(w, self.n, nw))
-        random.Random(self.seed).shuffle(mine)
-        while self.pos < len(mine):
-            self.pos += 1
-            self.acc = self.acc * 0.5 + random.random()
-            yield _draws(mine[self.pos - 1], self.acc)
-        self.seed, self.pos = None, 0  # the next epoch shuffles anew
+    def _item(self, i):
+        self.acc = self.acc * 0.5 + random.random()
+        return _draws(i, self.acc)
 
     def state_dict(self):
-        return {"seed": self.seed, "pos": self.pos, "acc": self.acc}
+        return {**super().state_dict(), "acc": self.acc}
 
     def load_state_dict(self, state):
-        self.seed, self.pos, self.acc = state["seed"], state["pos"], state["acc"]
+        super().load_state_dict(state)
+        self.acc = state["acc"]
 
 
 class CallCounter(Dataset):

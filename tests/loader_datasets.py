@@ -94,26 +94,23 @@ class SeedInfoDataset(Dataset):
                              torch.initial_seed() % 1000003])
 
 
-class ParentProcessDataset(Dataset):
-    """Each sample: what multiprocessing.parent_process() says in the worker (alive, its
-    pid and name, whether join(0.05) waited as for a live parent, whether its sentinel
-    reads as ready)."""
-
-    def __len__(self):
-        return 4
+class ParentProcessDataset(AugmentDataset):
+    """AugmentDataset's samples plus what multiprocessing.parent_process() says in the
+    worker: alive, its pid and name, whether join(0.05) waited as for a live parent,
+    whether its sentinel reads as ready."""
 
     def __getitem__(self, i):
         import multiprocessing
+        import multiprocessing.connection
 
         parent = multiprocessing.parent_process()
         t0 = time.monotonic()
         parent.join(0.05)
         waited = time.monotonic() - t0
-        import multiprocessing.connection
-
         ready = bool(multiprocessing.connection.wait([parent.sentinel], timeout=0))
-        return {"alive": parent.is_alive(), "pid": parent.pid, "name": parent.name,
-                "join_waited": 0.04 <= waited < 5.0, "sentinel_ready": ready}
+        return {**super().__getitem__(i), "alive": parent.is_alive(), "parent_pid": parent.pid,
+                "parent_name": parent.name, "join_waited": 0.04 <= waited < 5.0,
+                "sentinel_ready": ready}
 
 
 class SegfaultDataset(Dataset):

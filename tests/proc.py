@@ -179,18 +179,6 @@ def shmem_bytes() -> int:
         return int(next(line for line in f if line.startswith("Shmem:")).split()[1]) * 1024
 
 
-def uss(pid="self") -> int:
-    """Bytes only `pid` maps (Private_Clean + Private_Dirty of /proc/<pid>/smaps_rollup):
-    a forked child's pages still shared with its parent or a sibling do not count, each
-    page it copied on write does."""
-    total = 0
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        for line in f:
-            if line.startswith(("Private_Clean:", "Private_Dirty:")):
-                total += int(line.split()[1]) * 1024  # kB
-    return total
-
-
 def wait_gone(pids, timeout: float) -> bool:
     """Wait (at most `timeout` s) until none of `pids` runs; whether none does."""
     import time

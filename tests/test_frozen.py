@@ -20,7 +20,6 @@ import statistics
 import struct
 
 import numpy as np
-import proc
 import pytest
 import torch
 from compare import assert_same, both_loaders
@@ -30,6 +29,7 @@ from torch.utils.data import DataLoader
 import poolloader
 import poolloader.records as records_module
 from poolloader import FrozenDict, FrozenList, PoolLoader, frozen
+from poolloader.main.memory import read_process
 
 MIB = 1 << 20
 
@@ -311,7 +311,7 @@ def test_a_dataset_holding_a_frozen_list_gives_dataloaders_batches(context):
 def _record_start(directory, worker_id):
     """worker_init_fn: this worker's pid and its USS before it reads a sample."""
     with open(os.path.join(directory, str(worker_id)), "w") as f:
-        f.write(f"{os.getpid()} {proc.uss()}")
+        f.write(f"{os.getpid()} {read_process(os.getpid())['uss']}")
 
 
 class Annotations(torch.utils.data.Dataset):
@@ -344,7 +344,9 @@ def _worker_growth(records, directory) -> list[int]:
         for worker_id in range(2):
             with open(os.path.join(directory, str(worker_id))) as f:
                 pid, start = (int(v) for v in f.read().split())
-            growth.append(proc.uss(pid) - start)
+            figures = read_process(pid)
+            assert figures is not None, f"worker {worker_id} (pid {pid}) exited before its memory was read"
+            growth.append(figures["uss"] - start)
         return growth
     finally:
         it._shutdown_workers()

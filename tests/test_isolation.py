@@ -37,7 +37,12 @@ from poolloader.shm.pool import SlotPool
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHILDREN = os.path.join(HERE, "_isolation_children.py")
 SHM = "/dev/shm"
-START_METHODS = ["fork", "spawn", "forkserver"]
+# How a worker learns that main died: the owner lock on the control segment (one fcntl
+# on its descriptor; poolloader.worker.loop._parent_alive), whatever the start method. A
+# fork worker inherits that descriptor from main; a forkserver worker (whose parent is
+# the forkserver, which may outlive main) gets it through its start-up arguments, as a
+# spawn worker does: fork and forkserver cover both ways, spawn adds only its start-up.
+START_METHODS = ["fork", "forkserver"]
 
 
 @pytest.fixture(autouse=True)

@@ -55,10 +55,18 @@ def test_parity_augmenting_dataset(workers, shuffle):
     parity(ds.AugmentDataset(), batch_size=4, shuffle=shuffle, num_workers=workers)
 
 
-@pytest.mark.parametrize("context", ["fork", "spawn"])
-def test_parity_start_methods(context):
-    parity(ds.AugmentDataset(n=20), batch_size=3, shuffle=True, num_workers=2,
-           multiprocessing_context=context, generator_seed=7)
+@pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
+def test_parity_and_parent_process_under_every_start_method(context):
+    """Under every start method: DataLoader's augmented batches bit for bit (seeding,
+    worker assignment), and multiprocessing.parent_process() in a worker is alive, has
+    main's pid and name, join(timeout) waits, and its sentinel is not ready (PoolLoader
+    closes the pipe ends the stock answer comes from; the worker asks the pool's owner
+    probe instead)."""
+    [batches] = parity(ds.ParentProcessDataset(n=20), batch_size=3, shuffle=True, num_workers=2,
+                       multiprocessing_context=context, generator_seed=7)
+    assert all(b["alive"].all() and b["join_waited"].all() for b in batches), batches
+    assert not any(b["sentinel_ready"].any() for b in batches), batches  # as DataLoader's
+    assert all((b["parent_pid"] == os.getpid()).all() for b in batches), batches
 
 
 def test_parity_drop_last_and_generator():
@@ -99,19 +107,6 @@ def test_parity_epochs(persistent):
 
 def test_parity_worker_info_seed_and_init_fn():
     parity(ds.SeedInfoDataset(), batch_size=2, num_workers=3, worker_init_fn=ds.record_init)
-
-
-@pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
-def test_parent_process_in_a_worker_is_alive_as_under_dataloader(context):
-    """multiprocessing.parent_process() in a worker: alive, main's pid and name, and
-    join(timeout) waits, and its sentinel is not ready, under every start method
-    (PoolLoader closes the pipe ends the stock answer comes from; the worker asks the
-    pool's owner probe instead)."""
-    [batches] = parity(ds.ParentProcessDataset(), batch_size=2, num_workers=2,
-                     multiprocessing_context=context)
-    assert all(b["alive"].all() and b["join_waited"].all() for b in batches), batches
-    assert not any(b["sentinel_ready"].any() for b in batches), batches  # as DataLoader's
-    assert all((b["pid"] == os.getpid()).all() for b in batches), batches
 
 
 SENTINEL_SCRIPT = """

@@ -87,8 +87,8 @@ def test_nothing_left_behind(runs):
 DDP_RANKS = 2
 DDP_TIMEOUT_S = 180  # one 2-rank job: ~10 s on an idle 2-core machine, ~25 s loaded
 DDP_TERM_GRACE_S = 15
-DDP_STEPS = 24  # per rank, as STEPS
-EPOCH_STEPS = 3  # 24 images / 2 ranks / batch 4: 8 epochs
+DDP_STEPS = 12  # per rank: bit-identical losses and 4 reshuffled epochs need no more
+EPOCH_STEPS = 3  # 24 images / 2 ranks / batch 4: 4 epochs
 DDP_ARMS = {  # name: (what runs under torchrun, the script's --loader)
     "pool": ([SCRIPT], "pool"),
     "torch": ([SCRIPT], "torch"),
@@ -119,13 +119,15 @@ def _stop_torchrun(proc, marker):
             pass
 
 
-def _torchrun(arm, data, out):
-    """Run one arm under `python -m torch.distributed.run --standalone`; (torchrun's pid,
-    its output, each rank's --json result by rank)."""
+def _torchrun(arm, data, out, extra=()):
+    """Run one arm under `python -m torch.distributed.run --standalone` for DDP_STEPS
+    steps per rank, with the script's `extra` arguments; (torchrun's pid, its output,
+    each rank's --json result by rank)."""
     target, loader = DDP_ARMS[arm]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={DDP_RANKS}", *target, "--loader", loader, "--data", str(data),
-           "--json", str(out / f"{arm}.json"), *ARGS, "--persistent-workers"]
+           "--json", str(out / f"{arm}.json"), *ARGS, "--steps", str(DDP_STEPS),
+           "--persistent-workers", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=ROOT, start_new_session=True)
     try:
