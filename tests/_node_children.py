@@ -222,14 +222,7 @@ def main() -> dict:
         if RANK == 0:
             os.kill(os.getpid(), signal.SIGKILL)
         proc.wait_gone([read_pid(0)], 10.0)
-        began = time.monotonic()
-        try:
-            for _ in it:
-                pass
-            error = None
-        except Exception as e:
-            error = f"{type(e).__name__}: {e}"
-        took = time.monotonic() - began
+        error, took = drain(it)
         pids = pool._node.pids
         return {"error": error, "took": took, "node_pids": pids,
                 "node_gone": proc.wait_gone(pids, 10.0)}
@@ -242,17 +235,24 @@ def main() -> dict:
         if RANK == 1:
             os.kill(victim, signal.SIGKILL)
         proc.wait_gone([victim], 10.0)
-        began = time.monotonic()
-        try:
-            for _ in it:
-                pass
-            error = None
-        except Exception as e:
-            error = f"{type(e).__name__}: {e}"
-        result = {"error": error, "took": time.monotonic() - began, "victim": victim}
+        error, took = drain(it)
+        result = {"error": error, "took": took, "victim": victim}
         meet("done")
         return result
     raise ValueError(CASE)
+
+
+def drain(it) -> tuple:
+    """(the error iterating the rest of `it` raised, as "Type: message", or None; the
+    seconds it took)."""
+    began = time.monotonic()
+    try:
+        for _ in it:
+            pass
+        error = None
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    return error, time.monotonic() - began
 
 
 def pool_inodes() -> list:
