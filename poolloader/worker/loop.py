@@ -78,7 +78,7 @@ def _parent_alive(slots: WorkerSlots) -> bool:
     return slots.owner_alive()
 
 
-def _sync(slots: WorkerSlots, writer: codec.SlotWriter, slot: int | None = None):
+def sync_mappings(slots: WorkerSlots, writer: codec.SlotWriter, slot: int | None = None):
     """Map what main changed in the pool and drop every view of a segment that left it
     (only live memory stays mapped: docs/how-it-works.md, "Slot lifecycle"); with
     `slot`, return its mapping."""
@@ -203,7 +203,7 @@ class LogicalWorker:
         """Produce the reply to the request in `slot` (popped from this worker's request
         ring) into it; returns its status."""
         cfg = self.cfg
-        mapping = _sync(slots, writer, slot)
+        mapping = sync_mappings(slots, writer, slot)
         header = fmt.header_view(mapping)
         pending = self.pending
         fresh = slot in pending  # a payload waiting for this (now bigger) slot
@@ -392,7 +392,7 @@ def worker_loop(cfg: WorkerConfig, *hosted: WorkerConfig) -> None:
                 if not _parent_alive(slots):
                     slots.unlink_all()
                     return
-                _sync(slots, writer)
+                sync_mappings(slots, writer)
                 stall.check_handler()
                 continue
             except RingClosed:

@@ -32,6 +32,7 @@ from poolloader.worker.loop import (
     forget_worker_info,
     prepare_process,
     serve_request,
+    sync_mappings,
 )
 from poolloader.worker.popen import parent_process_through
 
@@ -44,6 +45,14 @@ class _Group:
         self.slots = WorkerSlots(cfgs[0].pool, cfgs[0].worker_id, tuple(c.worker_id for c in cfgs))
         self.writer = codec.SlotWriter()
         self.doorbell = self.slots.control.doorbell
+        self.workers: list[LogicalWorker] = []
+        try:
+            self._build(cfgs, current)
+        except BaseException:
+            self.close()  # a process that goes on must not keep the pool's descriptor
+            raise
+
+    def _build(self, cfgs: tuple[WorkerConfig, ...], current: LogicalWorker | None) -> None:
         if current is not None:
             current.leave()  # unpickling and building a logical worker may draw and seed
         errors: list[BaseException | None] = []
@@ -53,17 +62,13 @@ class _Group:
                 errors.append(None)
             except Exception as e:  # reported as that worker's first reply
                 errors.append(e)
-        self.workers: list[LogicalWorker] = []
         for cfg, error in zip(cfgs, errors):
             if self.workers:
                 self.workers[-1].leave()
             self.workers.append(LogicalWorker(cfg, self.slots.control, error))
 
     def sync(self) -> None:
-        self.slots.sync()
-        if self.slots.dropped:
-            self.slots.dropped = False
-            self.writer.forget_stale(self.slots.current())
+        sync_mappings(self.slots, self.writer)
 
     def close(self) -> None:
         self.workers = []
