@@ -100,6 +100,18 @@ class PoolLoader(DataLoader[T_co]):
                   batches (docs/node.md). Without torchrun (or with one local
                   rank) an ordinary loader. None (default): the POOLLOADER_NODE_POOL
                   environment variable (1 or 0; unset: False).
+      share_batches  a list of global ranks (or a torch.distributed ProcessGroup)
+                  whose loaders consume identical batches (same dataset and
+                  sampler, seed and arguments: a tensor- or context-parallel
+                  group). Under torchrun, each batch is made once per node, by
+                  the group's lowest rank there (its workers, or its node
+                  pool's), and the group's other ranks on the node map the same
+                  slot: same pages, no copy, no worker of their own. Each rank
+                  still draws its own sampler and checks it against the batch
+                  (samplers that disagree: an error at the first batch that
+                  differs). Needs a map-style dataset, in_order=True, memfd and,
+                  for now, no pin_memory or device= (docs/node.md). A rank not
+                  in the list, or alone in it on its node, loads as usual.
     Nothing is created until the loader is iterated (with node_pool under torchrun,
     local rank 0 starts the node's processes as the loader is built). `stats` holds counters;
     `stats.advice()` reads them: which side is the bottleneck, what to change.
@@ -117,7 +129,8 @@ class PoolLoader(DataLoader[T_co]):
                  in_order=True, slot_bytes=DEFAULT_SLOT_BYTES, slots=None, max_slots=None,
                  shm_limit=None, device=None, shm_backend=None,
                  stall_warning=DEFAULT_STALL_WARNING_S, stateful=True,
-                 snapshot_every_n_steps=None, node_workers=None, node_pool=None):
+                 snapshot_every_n_steps=None, node_workers=None, node_pool=None,
+                 share_batches=None):
         super().__init__(
             dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
             batch_sampler=batch_sampler, num_workers=num_workers, collate_fn=collate_fn,
@@ -184,6 +197,10 @@ class PoolLoader(DataLoader[T_co]):
         if group is not None:
             ctx = self.multiprocessing_context or torch.multiprocessing
             self._node = node.join(self, ctx, node_workers or self.num_workers, group)
+        from poolloader.main import share
+        self.share_batches = share_batches
+        # poolloader.main.share: this rank's side of its group (None: it shares nothing)
+        self._share = share.join(self, share_batches)
         self._resume_plan = None     # a loaded state for the next iterator
         self._resume_tracker = None  # the latest iterator's progress (state_dict())
         self._warned_stateless = False
@@ -194,6 +211,9 @@ class PoolLoader(DataLoader[T_co]):
             it = SingleProcessIter(self, self._take_resume_plan())
             self._resume_tracker = it
             return it
+        if getattr(self._share, "role", None) == "follower":
+            from poolloader.main.share import FollowerIter
+            return FollowerIter(self)
         from poolloader.main.iterator import PoolLoaderIter
         from poolloader.resume.tracker import continues_epoch
         self.check_worker_number_rationality()

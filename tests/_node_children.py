@@ -24,6 +24,15 @@ Cases:
         are gone.
   worker_killed  both take a batch; rank 1 SIGKILLs node process 0; both record
         the error.
+
+share_batches=[0, 1] on 3 ranks (ranks 0 and 1 one data-parallel rank, with the same
+sampler; rank 2 another, not in the group):
+  share ARG=persistent(0/1)  two epochs of DataLoader, then of PoolLoader(share_batches);
+        records whether they are equal, the memfd inode behind each batch, this rank's
+        children, and __getitem__ calls per phase (files calls.<phase>.<pid> in OUT).
+  share_mismatch  rank 1's sampler has another seed: records its first next()'s error.
+  share_follower_killed  rank 1 takes two batches and SIGKILLs itself; rank 0 goes on.
+  share_leader_killed  both take a batch; rank 0 SIGKILLs itself; rank 1 records the error.
 """
 import json
 import os
@@ -51,11 +60,12 @@ FAULT_SAMPLES = 800  # 100 batches a rank: a death always comes before the epoch
 MEET_S = 60.0
 
 
-def meet(name: str) -> None:
-    """Wait (bounded) until every rank reached `name`."""
+def meet(name: str, ranks=None) -> None:
+    """Wait (bounded) until every rank (of `ranks`, default all) reached `name`."""
     open(os.path.join(OUT, f"{name}.{RANK}"), "w").close()
     deadline = time.monotonic() + MEET_S
-    while not all(os.path.exists(os.path.join(OUT, f"{name}.{r}")) for r in range(WORLD)):
+    while not all(os.path.exists(os.path.join(OUT, f"{name}.{r}"))
+                  for r in (range(WORLD) if ranks is None else ranks)):
         if time.monotonic() > deadline:
             raise TimeoutError(f"rank {RANK}: the other ranks did not reach {name!r}")
         time.sleep(0.01)
@@ -142,6 +152,46 @@ def same(a, b) -> bool:
         len(x) == len(y) and all(len(p) == len(q) and all(torch.equal(s, t) for s, t in zip(p, q))
                                  for p, q in zip(x, y))
         for x, y in zip(a, b))
+
+
+class Counted(Augmented):
+    """Augmented, and each __getitem__ appends a byte to OUT/calls.<phase>.<pid>."""
+
+    def __init__(self, phase, n=N_SAMPLES):
+        super().__init__(n)
+        self.phase = phase
+
+    def __getitem__(self, i):
+        with open(os.path.join(OUT, f"calls.{self.phase}.{os.getpid()}"), "ab") as f:
+            f.write(b"x")
+        # and a tensor too big for the small block, so it views the slot itself
+        return (*super().__getitem__(i), torch.rand(128, 128))
+
+
+SHARE_GROUP = [0, 1]
+
+
+def shared_loader(cls, phase, persistent=False, n=N_SAMPLES, seed=5, **kw):
+    """Ranks 0 and 1 are data-parallel rank 0 of 2 (the same sampler and generator), rank
+    2 is data-parallel rank 1."""
+    dp_rank = 0 if RANK in SHARE_GROUP else 1
+    dataset = Counted(phase, n)
+    sampler = DistributedSampler(dataset, num_replicas=2, rank=dp_rank, shuffle=True, seed=seed)
+    return cls(dataset, batch_size=BATCH, sampler=sampler, num_workers=WORKERS,
+               worker_init_fn=init_fn, persistent_workers=persistent,
+               generator=torch.Generator().manual_seed(11 + dp_rank), **kw), sampler
+
+
+def backing_inode(tensor: torch.Tensor) -> int | None:
+    """The inode of the memfd segment whose mapping holds `tensor`'s data (None: none)."""
+    address = tensor.data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if start <= address < end and len(fields) > 5 and "memfd:" in fields[5]:
+                return int(fields[4])
+    return None
 
 
 def children() -> list:
@@ -239,6 +289,71 @@ def main() -> dict:
         result = {"error": error, "took": took, "victim": victim}
         meet("done")
         return result
+    if CASE == "share":
+        persistent = ARG == "1"
+        torch.manual_seed(0)
+        expected = epochs(shared_loader(DataLoader, "torch", persistent))
+        torch.manual_seed(0)
+        pool, sampler = shared_loader(PoolLoader, "pool", persistent, share_batches=SHARE_GROUP)
+        seen: dict = {"inodes": []}
+
+        def look(batch):
+            seen["inodes"].append(backing_inode(batch[2]))
+            seen.setdefault("children", children())
+        got = []
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            batches = []
+            for batch in pool:
+                if epoch == 0:
+                    look(batch)
+                batches.append([t.clone() for t in batch])
+            got.append(batches)
+        result = {"equal": same(expected, got), "batches": len(got[0]),
+                  "inodes": seen["inodes"], "children": seen["children"],
+                  "role": getattr(pool._share, "role", None)}
+        meet("done")
+        return result
+    if CASE == "share_mismatch":
+        pool, _ = shared_loader(PoolLoader, "pool", seed=6 if RANK == 1 else 5,
+                                share_batches=SHARE_GROUP)
+        error, _took = drain(iter(pool))
+        meet("done")
+        return {"error": error}
+    if CASE == "share_follower_killed":
+        expected = epochs(shared_loader(DataLoader, "torch", n=FAULT_SAMPLES), n=1)
+        pool, _ = shared_loader(PoolLoader, "pool", n=FAULT_SAMPLES, share_batches=SHARE_GROUP)
+        it = iter(pool)
+        first = [[t.clone() for t in next(it)]]
+        meet("started")
+        if RANK == 1:
+            next(it)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if RANK == 0:
+            import warnings
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                rest = [[t.clone() for t in b] for b in it]
+            result = {"equal": same(expected, [first + rest]),
+                      "rank1_gone": proc.wait_gone([read_pid(1)], 10.0),
+                      "warnings": [str(w.message) for w in caught],
+                      "detaches": pool.stats.detaches}
+        else:
+            result = {"equal": None}
+        meet("done", ranks=(0, 2))
+        return result
+    if CASE == "share_leader_killed":
+        pool, _ = shared_loader(PoolLoader, "pool", n=FAULT_SAMPLES, share_batches=SHARE_GROUP)
+        it = iter(pool)
+        next(it)
+        meet("started")
+        if RANK == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if RANK == 1:
+            proc.wait_gone([read_pid(0)], 10.0)
+            error, took = drain(it)
+            return {"error": error, "took": took}
+        return {}
     raise ValueError(CASE)
 
 

@@ -39,6 +39,7 @@ from poolloader.cuda import gate
 from poolloader.errors import ControlCorrupt, SlotCorrupt, WorkerDied
 from poolloader.main import stall, startup, supervise
 from poolloader.main.ledger import SlotLedger, plan_sizes
+from poolloader.main.share import SHARE_SLACK
 from poolloader.main.stats import LoaderStats
 from poolloader.resume.tracker import IteratorSetup, ResumeTracker
 from poolloader.shm.control import hosted_by
@@ -90,6 +91,9 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         # PoolLoader(node_pool=True) under torchrun: the node's processes host the
         # logical workers (poolloader.main.node); None: this iterator starts its own
         self._node = getattr(loader, "_node", None)
+        # PoolLoader(share_batches=) on the group's leader: every delivered slot is
+        # handed to the followers too (poolloader.main.share)
+        self._share = getattr(loader, "_share", None)
         # set below; None only while __init__ has not made them (a failed start)
         self._pool: SlotPool = None  # type: ignore[assignment]
         self._ledger: SlotLedger = None  # type: ignore[assignment]
@@ -115,6 +119,9 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         if self._node is not None:
             hosts = 0  # the node's processes wait on the node segment's doorbells
         size = plan_sizes(loader, gated=self._gate is not None)
+        if self._share is not None and loader.max_slots is None:
+            size = size._replace(capacity=size.capacity + SHARE_SLACK,
+                                 max_slots=size.max_slots + SHARE_SLACK)
         self._epoch = 0
         # state_dict()/load_state_dict(): takes the base seed of a loaded state, if any
         setup = IteratorSetup(n, self._base_seed, self._in_order, self._persistent_workers,
@@ -127,8 +134,9 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
             n, size.slots, size.max_slots, size.slot_bytes, loader.shm_limit,
             on_map=self._gate.register if self._gate else None,
             on_unmap=self._gate.unregister if self._gate else None, backend=loader.shm_backend,
-            hosts=hosts)
+            hosts=hosts, keep_handles=self._share is not None)
         self._ledger = SlotLedger(self._pool, self._stats, self._gate, size.capacity)
+        self._ledger.share = self._share
         self._shutdown = False
         if self._node is not None:
             self._node.acquire()  # released by the teardown's last step (_leave_node)
@@ -224,6 +232,9 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         if self._shutdown and not first_iter:
             raise RuntimeError(self._dead_message())
         self._resume.begin_epoch()  # before the sampler's iterator draws anything
+        if self._share is not None:
+            self._share.end_epoch()  # the previous one, if it was left early
+            self._share.begin_epoch(self._ledger)
         _BaseDataLoaderIter._reset(self, loader, first_iter)
         if self._stager is not None:
             self._stager.reset()  # a staged batch's slot cools behind its copy event
@@ -501,6 +512,8 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                     del self._task_info[self._rcvd_idx]
                 self._rcvd_idx += 1
             else:
+                if self._share is not None:
+                    self._share.end_epoch()
                 if not self._persistent_workers:
                     self._ended = True
                     self._shutdown_workers()
@@ -557,6 +570,12 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         error = fmt.reply_is_error(header)
         # before the decode, which may hand the slot back at once
         self._resume.received(worker, fmt.reply_seq(header), self._reply_record(slot), error)
+        if self._share is not None:
+            try:  # the followers' holds are counted before the decode's lease can die
+                self._share.publish(self._pool, slot, self._sent_indices.get(slot))
+            except BaseException as e:
+                self._fail(e)
+                raise
         try:
             # from the lease's registration inside decode, the slot is the lease's:
             # whatever happens next, its death gives the slot back
@@ -580,12 +599,14 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
     # -- teardown ---------------------------------------------------------------------
     def _fail(self, error: BaseException) -> None:
         self._fatal = f"{type(error).__name__}: {error}"
+        if self._share is not None:
+            self._share.fail(self._fatal)
         self._shutdown_workers()
 
     # The teardown steps, in order (methods below).
     _TEARDOWN = ("_note_memory", "_close_requests", "_stop_workers", "_close_shared_start",
                  "_close_replies", "_close_stager", "_close_ledger", "_detach_stats",
-                 "_close_pool", "_untrack", "_leave_node")
+                 "_close_pool", "_untrack", "_leave_node", "_end_share")
 
     def _shutdown_workers(self) -> None:
         """The one place that stops everything, in order: close the request rings
@@ -662,6 +683,10 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         node, self._node = self._node, None
         if node is not None:
             node.release()
+
+    def _end_share(self) -> None:
+        if self._share is not None:
+            self._share.end_epoch()  # a follower still in this epoch is told, not left waiting
 
     def shutdown_at_exit(self) -> None:
         """What supervise.track's exit handler (and the finaliser) calls: no CUDA call

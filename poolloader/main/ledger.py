@@ -108,6 +108,11 @@ class SlotLedger:
         self.on_release = self.released.append  # C-level: no bytecode in the callback
         self._headers: dict[int, tuple[object, object]] = {}
         self._warned_detach = False
+        # share_batches (poolloader.main.share): slot -> [generation, batches of it the
+        # followers still hold]; `parked`: such slots whose views here are gone too
+        self.shared: dict[int, list[int]] = {}
+        self.parked: set[int] = set()
+        self.share = None  # the leader's ShareLeader: take() collects its releases first
 
     # -- views of a slot --------------------------------------------------------
     def mapping(self, slot: int):
@@ -128,6 +133,8 @@ class SlotLedger:
         A refill or replacement that fails (no space) puts the slot back FREE, empty,
         before the error is raised. The slot is also left in `taking` until the caller
         clears it (an interrupt as take() returns: see put_back)."""
+        if self.share is not None:
+            self.share.collect()
         if self.released:
             self.drain()
         gate = self.gate
@@ -189,6 +196,13 @@ class SlotLedger:
                 return self.free.pop()
         if self.leases:
             return self._detach_oldest()
+        if self.parked:  # only followers hold it: their mappings keep the segment
+            slot = self.parked.pop()
+            self._unshare(slot)
+            self._headers.pop(slot, None)
+            self._retire(self.pool.detach(slot))
+            self.stats.detaches += 1
+            return slot
         if gate is not None and gate.pending:
             raise RuntimeError(
                 f"PoolLoader: all {self.pool.num_slots} slots wait for CUDA copies that have "
@@ -214,12 +228,43 @@ class SlotLedger:
                 if mapping is not None:
                     self._retire(mapping)
                 continue
-            mapping = pool.mappings[slot]
-            if mapping is not None and mapping.forked:
-                # a forked child may still read it: never rewrite, give the slot a new segment
-                self._headers.pop(slot, None)
-                self._retire(pool.detach(slot))
-            self.give_back(slot)
+            if slot in self.shared:
+                self.parked.add(slot)  # a follower still holds it (share_back frees it)
+                continue
+            self._free_viewed(slot)
+
+    def _free_viewed(self, slot: int) -> None:
+        """The last view of a delivered slot died: FREE again."""
+        mapping = self.pool.mappings[slot]
+        if mapping is not None and mapping.forked:
+            # a forked child may still read it: never rewrite, give the slot a new segment
+            self._headers.pop(slot, None)
+            self._retire(self.pool.detach(slot))
+        self.give_back(slot)
+
+    # -- share_batches: the followers' holds (poolloader.main.share) --------------------
+    def share_out(self, slot: int, generation: int) -> None:
+        """A follower got the batch in `slot`: the slot waits for its release too."""
+        entry = self.shared.setdefault(slot, [generation, 0])
+        entry[1] += 1
+
+    def share_back(self, slot: int, generation: int) -> None:
+        """A follower dropped (or left with) the batch of that slot's `generation`; a
+        segment detached since is the follower's own, nothing to give back."""
+        entry = self.shared.get(slot)
+        if entry is None or entry[0] != generation:
+            return
+        entry[1] -= 1
+        if entry[1] > 0:
+            return
+        del self.shared[slot]
+        if slot in self.parked:
+            self.parked.discard(slot)
+            self._free_viewed(slot)
+
+    def _unshare(self, slot: int) -> None:
+        self.shared.pop(slot, None)
+        self.parked.discard(slot)
 
     def _take_ready(self, keys) -> None:
         for key in keys:
@@ -238,6 +283,7 @@ class SlotLedger:
     def _detach_oldest(self) -> int:
         ref = next(iter(self.leases))
         slot = self.leases.pop(ref)
+        self._unshare(slot)  # the followers' mappings keep their segment
         self._headers.pop(slot, None)
         mapping = self.pool.detach(slot)
         self.detached[ref] = weakref.ref(mapping)
@@ -312,7 +358,7 @@ class SlotLedger:
         also takes back any slot an interrupted call left in between."""
         self.taking = None
         self.drain()
-        leased = set(self.leases.values())
+        leased = set(self.leases.values()) | set(self.shared)
         cooling = set(self.gate.cooling_keys()) if self.gate is not None else set()
         self.free = [s for s in range(self.pool.num_slots - 1, -1, -1)
                      if s not in leased and s not in self.inflight and s not in cooling]

@@ -99,10 +99,14 @@ class SlotPool:
 
     def __init__(self, num_workers: int, slots: int, max_slots: int, slot_bytes: int,
                  shm_limit: int | None = None, on_map=None, on_unmap=None,
-                 backend: str | None = None, hosts: int = 0):
+                 backend: str | None = None, hosts: int = 0, keep_handles: bool = False):
         """`hosts`: 0 (every worker its own process), or the number of processes that
         host the num_workers logical workers (PoolLoader(node_workers=)): the control
-        block then has a request doorbell per host (control.py)."""
+        block then has a request doorbell per host (control.py). `keep_handles`: keep
+        each segment's release key (a memfd's descriptor) while it is the slot's, not
+        only until the workers mapped it: a share_batches leader passes it to its
+        followers (`descriptor`)."""
+        self.keep_handles = keep_handles
         self.shm_limit = cap(shm_limit)
         self.num_workers = num_workers
         self.max_slots = max_slots
@@ -279,6 +283,13 @@ class SlotPool:
         finally:
             retire(mapping)
 
+    def descriptor(self, slot: int) -> int:
+        """The memfd descriptor of `slot`'s segment (a pool with keep_handles)."""
+        key = self._keys[slot]
+        if not self.keep_handles or not isinstance(key, int):
+            raise RuntimeError(f"internal error: slot {slot} keeps no descriptor")
+        return key
+
     def needs_resize(self, slot: int) -> bool:
         mapping = self.mappings[slot]
         return mapping is None or mapping.size < self.target_bytes
@@ -307,6 +318,8 @@ class SlotPool:
                     "running in a worker)")
             if int(acked.min()) >= generation:
                 del self._pending[key]
+                if self.keep_handles:
+                    continue  # released when the slot's segment changes (detach)
                 if self._keys[slot] == key:
                     self._keys[slot] = None
                 self.segments.release(key)

@@ -1,0 +1,563 @@
+"""Identical batches once: PoolLoader(share_batches=[global ranks]) under torchrun.
+
+Ranks that consume the same batches (a tensor- or context-parallel group, ranks that
+evaluate the same data) name each other in `share_batches`. On each node, the lowest
+of the group's ranks there is the *leader*: its loader runs as any PoolLoader (its own
+workers, or a node pool's) and, as it delivers each batch, hands the same slot to the
+group's other ranks on the node, the *followers*. A follower starts no worker: it
+maps the leader's segment (the memfd descriptor travels once per segment over an
+abstract SOCK_SEQPACKET socket, SCM_RIGHTS) and decodes the batch from the same
+physical pages, no copy. A group that spans nodes is made once per node.
+
+What keeps it exact and safe:
+
+* Each follower still iterates its own sampler and compares each batch's indices
+  with the leader's: ranks whose samplers disagree get an error at the first batch
+  that differs, never another rank's data. So share_batches needs a map-style
+  dataset and in_order=True.
+* A slot is reused only after the leader and every follower dropped the batch in it
+  (poolloader.main.ledger: `shared`, `parked`); a follower says so with its next
+  next(). If the leader runs out of slots meanwhile, it detaches the segment, as it
+  does for a batch its own consumer keeps: the followers' mappings keep it alive.
+* A follower that exits gives back what it held (its socket closes) and the others go
+  on, with a warning on the leader; a leader that exits, or whose iterator fails, is an
+  error on every follower at its next wait (the socket closes, or says why).
+
+Rendezvous as for node_pool (poolloader.main.node): the name carries the uid, the PID
+namespace, torchrun's agent, run id, node rank and restart, the leader's rank and the
+loader's ordinal among this process's share_batches loaders; both ends check the peer
+(SO_PEERCRED) before anything is unpickled, and a follower whose loader differs from
+the leader's (dataset class and length, collate_fn, batch_size, drop_last,
+num_workers) is refused at construction.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import os
+import pickle
+import select
+import socket
+import struct
+import threading
+import time
+
+from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
+
+from poolloader.errors import WorkerDied, warn
+from poolloader.main import node
+from poolloader.shm import fork
+from poolloader.shm._shm import Mapping
+from poolloader.wire import codec
+from poolloader.wire import slot_format as fmt
+
+# Slots the leader's pool gets beyond its own needs: the batches its followers still
+# hold when it takes a slot (the one each consumes and the one whose release rides
+# with its next next()).
+SHARE_SLACK = 2
+_ordinal = itertools.count()  # share_batches loaders built in this process
+_MAX_MESSAGE = 1 << 20  # a batch's indices, pickled, must fit: checked when sent
+# How long the leader's send to a follower may wait for room (a follower that stopped
+# taking its batches while the leader went on for thousands): then an error.
+SEND_TIMEOUT_S = 30
+
+
+def members(share_batches) -> list[int] | None:
+    """The global ranks of `share_batches` (a list of ints or a ProcessGroup); None: none."""
+    if share_batches is None:
+        return None
+    try:
+        import torch.distributed as dist
+        if dist.is_available() and isinstance(share_batches, dist.ProcessGroup):
+            return sorted(dist.get_process_group_ranks(share_batches))
+    except (ImportError, RuntimeError):
+        pass
+    try:
+        ranks = list(share_batches)
+    except TypeError:
+        ranks = None
+    if ranks is None or not ranks or any(isinstance(r, bool) or not isinstance(r, int) or r < 0
+                                         for r in ranks) or len(set(ranks)) != len(ranks):
+        raise ValueError(f"share_batches must be a list of distinct global ranks (ints >= 0) or "
+                         f"a torch.distributed ProcessGroup, got {share_batches!r}")
+    return sorted(ranks)
+
+
+def plan(ranks: list[int] | None):
+    """(leader's global rank, this rank, the followers on this node, run key) when this
+    rank shares its batches with another rank of this node; None otherwise (not under
+    torchrun, not a member, or the only member here): an ordinary loader."""
+    if not ranks:
+        return None
+    group = node.local_group()
+    try:
+        rank = int(os.environ["RANK"])
+    except (KeyError, ValueError):
+        return None
+    if group is None or rank not in ranks:
+        return None
+    local_rank, local_size, run_key = group
+    first = rank - local_rank  # torchrun gives a node consecutive global ranks
+    here = [r for r in ranks if first <= r < first + local_size]
+    if len(here) < 2:
+        return None
+    return here[0], rank, here[1:], run_key
+
+
+def check(loader) -> None:
+    """What share_batches needs of a loader, checked at construction."""
+    problems = []
+    if loader.num_workers < 1:
+        problems.append(f"num_workers={loader.num_workers} (the leader's workers make the "
+                        "batches: use num_workers >= 1)")
+    if loader._dataset_kind != _DatasetKind.Map:
+        problems.append("an IterableDataset (each follower checks the leader's sample indices "
+                        "against its own sampler's: use a map-style dataset)")
+    if not loader.in_order:
+        problems.append("in_order=False (the batches' order would differ between ranks)")
+    if loader.pin_memory or loader.device is not None:
+        problems.append("pin_memory=True or device= (the CUDA side of share_batches is not "
+                        "built yet)")
+    backend = loader.shm_backend or os.environ.get("POOLLOADER_SHM_BACKEND")
+    if backend not in (None, "", "memfd"):
+        problems.append(f"shm_backend={backend!r} (followers map the leader's memfd segments)")
+    if problems:
+        raise ValueError("PoolLoader(share_batches=...) cannot share this loader's batches: "
+                         + "; ".join(problems) + ". Or pass share_batches=None.")
+
+
+def _address(run_key: str, leader: int, k: int) -> bytes:
+    return node._address(f"{run_key}/share/{leader}", k)
+
+
+def _seqpacket() -> socket.socket:
+    """A SOCK_SEQPACKET Unix socket that a forked child closes at once."""
+    with fork.creating():
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        fork.hold(sock.fileno())
+    return sock
+
+
+def _peer_pid(sock: socket.socket) -> int:
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[0]
+
+
+def _pack(message) -> bytes:
+    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+class _Follower:
+    """The leader's view of one follower."""
+
+    def __init__(self, sock: socket.socket, rank: int, pid: int):
+        self.sock = sock
+        self.rank = rank
+        self.pid = pid
+        self.sent: dict[int, int] = {}  # slot -> the generation whose descriptor it has
+        self.held: collections.Counter = collections.Counter()  # (pool, slot, generation) -> batches
+
+
+class ShareLeader:
+    """The leader's side: listens for its followers, publishes each delivered slot."""
+
+    role = "leader"
+
+    def __init__(self, loader, address: bytes, rank: int, followers: list[int], timeout: float):
+        self.rank = rank
+        self.expected = list(followers)
+        self._mine = node.fingerprint(loader, loader.node_workers)
+        self._timeout = timeout
+        self._followers: list[_Follower] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self._refused: list[str] = []
+        self.ledger = None  # the current iterator's (SlotLedger.shared keeps the counts)
+        self._pool_id = 0  # one per ledger: a late release of an older pool's slot is stale
+        self._epoch = 0
+        self._n = 0
+        self._ended = True
+        self._listener = _seqpacket()
+        try:
+            self._listener.bind(address)
+            self._listener.listen(64)
+        except OSError as e:
+            node._close_socket(self._listener)
+            raise RuntimeError(f"PoolLoader(share_batches=...): rank {rank} cannot listen for "
+                               f"its followers ({e}): a loader built twice in the same order?") \
+                from None
+        self._thread = threading.Thread(target=self._accept, name="poolloader-share-leader",
+                                        daemon=True)
+        self._thread.start()
+
+    # -- joining ------------------------------------------------------------------
+    def _accept(self) -> None:
+        listener = self._listener
+        while not self._closed and len(self._followers) < len(self.expected):
+            try:
+                ready, _, _ = select.select([listener], [], [], 0.25)
+                if not ready:
+                    continue
+                with fork.creating():
+                    conn, _ = listener.accept()
+                    fork.hold(conn.fileno())
+            except (OSError, ValueError):
+                return  # closed under us
+            try:
+                if not node._peer_is_a_local_rank(conn):
+                    raise ConnectionError("not a local rank of this job")
+                conn.settimeout(30.0)
+                hello = pickle.loads(conn.recv(_MAX_MESSAGE))
+                difference = node._difference(hello["fingerprint"], self._mine)
+                rank = hello["rank"]
+                if rank not in self.expected or any(f.rank == rank for f in self._followers):
+                    difference = f"rank {rank} is not an expected follower {self.expected}"
+                if difference is not None:
+                    conn.send(_pack(("refused", difference.replace("local rank 0",
+                                                                   f"rank {self.rank}"))))
+                    node._close_socket(conn)
+                    continue
+                conn.send(_pack(("welcome",)))
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
+                # blocking, but a send gives up after SEND_TIMEOUT_S (BlockingIOError),
+                # and collect()'s receives never wait (MSG_DONTWAIT)
+                conn.settimeout(None)
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                                struct.pack("ll", SEND_TIMEOUT_S, 0))
+                with self._lock:
+                    self._followers.append(_Follower(conn, rank, _peer_pid(conn)))
+            except Exception:
+                node._close_socket(conn)
+
+    def _wait_joined(self) -> None:
+        deadline = time.monotonic() + self._timeout
+        while len(self._followers) < len(self.expected) and self._thread.is_alive():
+            if time.monotonic() > deadline:
+                came = sorted(f.rank for f in self._followers)
+                raise RuntimeError(
+                    f"PoolLoader(share_batches=...): rank {self.rank} waited {self._timeout:.0f} s "
+                    f"for the ranks {self.expected} it shares batches with, and only {came} "
+                    "came (each must build the same loader, in the same order; "
+                    f"{node.TIMEOUT_ENV} sets the wait)")
+            time.sleep(0.005)
+
+    # -- per epoch and per batch ---------------------------------------------------------
+    def begin_epoch(self, ledger) -> int:
+        """A new epoch of the leader's iterator whose slots are `ledger`'s."""
+        if ledger is not self.ledger:  # a new pool: slot numbers start again
+            self.ledger = ledger
+            self._pool_id += 1
+            for f in self._followers:
+                f.sent, f.held = {}, collections.Counter()
+        self._epoch += 1
+        self._n = 0
+        self._ended = False
+        return self._epoch
+
+    def publish(self, pool, slot: int, index) -> None:
+        """Hand `slot` (delivered now by the leader) to every follower; the ledger keeps
+        the slot until each has dropped it. Before the leader decodes it."""
+        if self._n == 0:
+            self._wait_joined()
+        self.collect()
+        generation = pool.generations[slot]
+        key = (self._pool_id, slot, generation)
+        body = _pack(("batch", self._epoch, self._n, key, pool.size(slot), index))
+        if len(body) > _MAX_MESSAGE:
+            raise ValueError(f"PoolLoader(share_batches=...): a batch's sample indices take "
+                             f"{len(body)} bytes pickled, more than {_MAX_MESSAGE}")
+        self._n += 1
+        for f in list(self._followers):
+            try:
+                if f.sent.get(slot) != generation:
+                    socket.send_fds(f.sock, [body], [pool.descriptor(slot)])
+                    f.sent[slot] = generation
+                else:
+                    f.sock.send(body)
+            except BlockingIOError:
+                raise RuntimeError(
+                    f"PoolLoader(share_batches=...): rank {f.rank} (pid {f.pid}) has not taken "
+                    f"the batches rank {self.rank} shared with it for {SEND_TIMEOUT_S} s; the "
+                    "ranks of a "
+                    "share_batches group must consume the same batches at the same pace") from None
+            except OSError:
+                self._gone(f)
+                continue
+            f.held[key] += 1
+            self.ledger.share_out(slot, generation)  # type: ignore[union-attr]
+
+    def end_epoch(self) -> None:
+        """The leader's epoch ended (or its iterator stopped): once per epoch."""
+        if not self._ended:
+            self._ended = True
+            self._broadcast(("end", self._epoch, self._n))
+
+    def fail(self, why: str) -> None:
+        self._broadcast(("failed", why))
+
+    def _broadcast(self, message) -> None:
+        body = _pack(message)
+        for f in list(self._followers):
+            try:
+                f.sock.send(body)
+            except OSError:
+                self._gone(f)
+
+    def collect(self) -> None:
+        """Take in every release the followers sent (never waits)."""
+        for f in list(self._followers):
+            while True:
+                try:
+                    data = f.sock.recv(_MAX_MESSAGE, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    break
+                except OSError:
+                    data = b""
+                if not data:
+                    self._gone(f)
+                    break
+                for key in pickle.loads(data)[1]:
+                    key = tuple(key)
+                    if f.held[key] > 0:  # else a stale pool's, or no batch it had
+                        f.held[key] -= 1
+                        self.ledger.share_back(key[1], key[2])  # type: ignore[union-attr]
+
+    def _gone(self, f: _Follower) -> None:
+        with self._lock:
+            if f not in self._followers:
+                return
+            self._followers.remove(f)
+        node._close_socket(f.sock)
+        if self.ledger is not None:
+            for (_pool, slot, generation), count in f.held.items():
+                for _ in range(count):
+                    self.ledger.share_back(slot, generation)
+        if not self._closed:
+            warn(f"PoolLoader(share_batches=...): rank {f.rank} (pid {f.pid}), which shared "
+                 f"rank {self.rank}'s batches, left (exited or closed its loader); what it held "
+                 "was taken back, and this rank goes on without it")
+
+    def close(self) -> None:
+        self._closed = True
+        with self._lock:
+            followers, self._followers = self._followers, []
+        for f in followers:
+            node._close_socket(f.sock)
+        node._close_socket(self._listener)
+
+
+class ShareFollower:
+    """A follower's side: connected to its leader; maps the leader's segments."""
+
+    role = "follower"
+
+    def __init__(self, loader, address: bytes, leader: int, rank: int, timeout: float):
+        self.leader = leader
+        self.rank = rank
+        self._timeout = loader.timeout
+        self._sock: socket.socket | None = None
+        # (pool id, slot) -> (generation, mapping) of the leader's segments
+        self._maps: dict[tuple[int, int], tuple[int, Mapping]] = {}
+        self.leases: dict = {}  # weakref to a Lease -> (pool id, slot, generation)
+        self._released: collections.deque = collections.deque()
+        self.on_release = self._released.append
+        self._early = None  # a message of a later epoch, read while this one still ran
+        self._epoch = 0
+        deadline = time.monotonic() + timeout
+        while True:
+            sock = _seqpacket()
+            try:
+                sock.connect(address)
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                node._close_socket(sock)
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"PoolLoader(share_batches=...): rank {rank} found no leader to share "
+                        f"batches with within {timeout:.0f} s: rank {leader} did not build its "
+                        f"loader ({node.TIMEOUT_ENV} sets the wait)") from None
+                time.sleep(0.05)
+        self._sock = sock
+        try:
+            if not node._peer_is_a_local_rank(sock):
+                raise RuntimeError("PoolLoader(share_batches=...): the leader's socket is held by "
+                                   "a process that is not a local rank of this job")
+            self.leader_pid = _peer_pid(sock)
+            sock.settimeout(max(1.0, deadline - time.monotonic()))
+            sock.send(_pack({"fingerprint": node.fingerprint(loader, loader.node_workers),
+                             "rank": rank}))
+            answer = pickle.loads(sock.recv(_MAX_MESSAGE))
+            if answer[0] == "refused":
+                raise ValueError(
+                    f"PoolLoader(share_batches=...): rank {rank}'s loader differs from rank "
+                    f"{leader}'s, whose batches it would share, in {answer[1]}. The ranks of a "
+                    "group must build the same loaders in the same order.")
+            sock.settimeout(30.0)
+        except BaseException:
+            self.close()
+            raise
+
+    def begin_epoch(self) -> int:
+        self._epoch += 1
+        return self._epoch
+
+    def flush(self) -> None:
+        """Tell the leader which batches this rank dropped."""
+        if not self._released or self._sock is None:
+            return
+        keys = []
+        while self._released:
+            key = self.leases.pop(self._released.popleft(), None)
+            if key is not None:
+                keys.append(key)
+        if keys:
+            try:
+                self._sock.send(_pack(("released", keys)))
+            except OSError:
+                pass  # the leader is gone: the next receive says so
+
+    def _recv(self):
+        """The next message from the leader, and its descriptors; waits as DataLoader's
+        next() does (timeout=, else as long as the leader lives and says nothing)."""
+        if self._early is not None:
+            early, self._early = self._early, None
+            return early
+        sock = self._sock
+        if sock is None:
+            raise RuntimeError("PoolLoader(share_batches=...): this loader was closed")
+        started = time.monotonic()
+        while True:
+            ready, _, _ = select.select([sock], [], [], 1.0)
+            if ready:
+                break
+            if self._timeout and time.monotonic() - started > self._timeout:
+                raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds "
+                                   f"(waiting for rank {self.leader}'s shared batch)")
+        try:
+            data, fds, _flags, _addr = socket.recv_fds(sock, _MAX_MESSAGE, 1)
+        except OSError:
+            data, fds = b"", []
+        if not data:
+            raise WorkerDied(f"PoolLoader(share_batches=...): rank {self.leader} (pid "
+                             f"{self.leader_pid}), whose batches this rank {self.rank} shares, "
+                             "exited or closed its loader")
+        return pickle.loads(data), fds
+
+    def receive(self, epoch: int, n: int, index):
+        """(mapping, key) of this epoch's batch `n`, whose indices must be `index`."""
+        while True:
+            message, fds = self._recv()
+            kind = message[0]
+            if kind == "failed":
+                raise RuntimeError(f"PoolLoader(share_batches=...): rank {self.leader}, whose "
+                                   f"batches this rank shares, failed: {message[1]}")
+            if kind == "batch":
+                _, their_epoch, k, key, size, theirs = message
+                pool_id, slot, generation = key
+                if any(p != pool_id for p, _ in self._maps):  # the leader's older pools
+                    self._maps = {k: v for k, v in self._maps.items() if k[0] == pool_id}
+                if fds:
+                    try:
+                        self._maps[(pool_id, slot)] = (generation, Mapping(fds[0], size))
+                    finally:
+                        for fd in fds:
+                            os.close(fd)
+                if their_epoch < epoch:  # an epoch this rank left early: not consumed
+                    self._send_back(key)
+                    continue
+            else:  # "end"
+                _, their_epoch, k = message
+                if their_epoch < epoch:
+                    continue
+            if their_epoch > epoch or kind == "end":
+                if their_epoch > epoch:
+                    self._early = (message, [])
+                raise RuntimeError(
+                    f"PoolLoader(share_batches=...): rank {self.leader} ended its epoch after "
+                    f"{n} batches, and this rank {self.rank}'s sampler has more: the ranks of a "
+                    "group must have samplers that give the same batches (same seed, "
+                    "num_replicas and rank arguments)")
+            have = self._maps.get((pool_id, slot))
+            if have is None or have[0] != generation or k != n:
+                raise RuntimeError(f"internal error: rank {self.rank} got batch {k} (slot {slot}, "
+                                   f"generation {generation}) from rank {self.leader}, "
+                                   f"expecting batch {n}")
+            if theirs != index:
+                self._send_back(key)
+                raise ValueError(
+                    f"PoolLoader(share_batches=...): batch {n} of rank {self.leader} holds the "
+                    f"samples {_short(theirs)}, but this rank {self.rank}'s sampler gives "
+                    f"{_short(index)}: the ranks of a share_batches group must consume identical "
+                    "batches (the same sampler, seed and arguments: e.g. DistributedSampler("
+                    "num_replicas=, rank=) set to the group's data-parallel rank, not the "
+                    "global one)")
+            return have[1], key
+
+    def _send_back(self, key) -> None:
+        try:
+            self._sock.send(_pack(("released", [key])))  # type: ignore[union-attr]
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        sock, self._sock = self._sock, None
+        node._close_socket(sock)
+        self._maps = {}
+
+
+def _short(index) -> str:
+    text = repr(index)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+class FollowerIter(_BaseDataLoaderIter):
+    """A follower's iterator: its own sampler's batches, decoded from its leader's slots."""
+
+    def __init__(self, loader) -> None:
+        self._link: ShareFollower = loader._share
+        super().__init__(loader)
+        self._epoch = self._link.begin_epoch()
+        self._n = 0
+
+    def _reset(self, loader, first_iter=False) -> None:
+        super()._reset(loader, first_iter)
+        if not first_iter:
+            self._epoch = self._link.begin_epoch()
+        self._n = 0
+
+    def _next_data(self):
+        link = self._link
+        link.flush()
+        index = self._next_index()  # StopIteration: this rank's epoch is over
+        mapping, key = link.receive(self._epoch, self._n, index)
+        self._n += 1
+        header = fmt.header_view(mapping)
+        payload, lease = codec.decode(mapping, header, link.leases, link.on_release, key)
+        del lease
+        if fmt.reply_is_error(header):
+            payload.reraise()
+        return payload
+
+    def _shutdown_workers(self) -> None:
+        """Nothing to stop: the leader's workers make this rank's batches."""
+        self._link.flush()
+
+
+def join(loader, share_batches) -> ShareLeader | ShareFollower | None:
+    """This loader's side of its share_batches group on this node (None: it shares
+    nothing here); closed when the loader is collected."""
+    import weakref
+    found = plan(members(share_batches))
+    if found is None:
+        return None
+    check(loader)
+    leader, rank, followers, run_key = found
+    address = _address(run_key, leader, next(_ordinal))
+    timeout = node._timeout()
+    side: ShareLeader | ShareFollower
+    if rank == leader:
+        side = ShareLeader(loader, address, rank, followers, timeout)
+    else:
+        side = ShareFollower(loader, address, leader, rank, timeout)
+    weakref.finalize(loader, side.close)
+    return side

@@ -1,0 +1,97 @@
+"""PoolLoader(share_batches=[ranks]): ranks that consume identical batches get each batch
+made once, and map the same slot.
+
+Ranks start as torchrun starts them (tests/_node_children.py through test_node_pool's
+launcher): ranks 0 and 1 form the group (one data-parallel rank: the same sampler),
+rank 2 is another data-parallel rank, outside it.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import signal
+
+import pytest
+import torch
+
+from poolloader import PoolLoader
+from test_node_pool import _ranks
+
+
+def _calls(tmp_path, phase: str) -> dict[int, int]:
+    """pid -> __getitem__ calls in `phase` (the children's calls.<phase>.<pid> files)."""
+    return {int(p.rsplit(".", 1)[1]): os.path.getsize(p)
+            for p in glob.glob(str(tmp_path / f"calls.{phase}.*"))}
+
+
+@pytest.mark.parametrize("persistent", ["1", "0"])
+def test_a_group_gets_its_dataloaders_batches_made_once_from_the_same_pages(tmp_path, persistent):
+    results, codes, logs = _ranks(tmp_path, "share", 3, persistent)
+    assert codes == [0, 0, 0], logs
+    leader, follower, other = results
+    assert (leader["role"], follower["role"], other["role"]) == ("leader", "follower", None)
+    for rank, r in enumerate(results):
+        assert r["equal"], f"rank {rank}: batches differ from its DataLoader's\n{logs}"
+        assert r["batches"] == 48 // 2 // 4
+    # the same memfd inode behind every batch of the leader and the follower, and none
+    # of the other rank's
+    assert None not in leader["inodes"] and leader["inodes"] == follower["inodes"], results
+    assert not set(leader["inodes"]) & set(other["inodes"])
+    # the follower starts no process; the leader and rank 2 their 2 workers each
+    assert follower["children"] == [] and len(leader["children"]) == len(other["children"]) == 2
+    # made once: DataLoader fetched each rank's 24 samples an epoch; the pool fetched the
+    # group's once (the leader's workers) and rank 2's
+    torch_calls, pool_calls = _calls(tmp_path, "torch"), _calls(tmp_path, "pool")
+    assert sum(torch_calls.values()) == 3 * 24 * 2, torch_calls
+    assert sum(pool_calls.values()) == 2 * 24 * 2, pool_calls
+    if persistent == "1":  # the same workers both epochs: the calls were theirs
+        assert set(pool_calls) == set(leader["children"]) | set(other["children"]), pool_calls
+
+
+def test_a_follower_whose_sampler_differs_is_told_at_the_first_batch(tmp_path):
+    results, codes, logs = _ranks(tmp_path, "share_mismatch", 2)
+    assert codes == [0, 0], logs
+    assert results[0]["error"] is None, logs
+    error = results[1]["error"]
+    assert error is not None and error.startswith("ValueError"), logs
+    assert "batch 0 of rank 0 holds the samples" in error and "rank 1's sampler gives" in error
+
+
+def test_a_killed_follower_is_dropped_and_the_leader_goes_on(tmp_path):
+    results, codes, logs = _ranks(tmp_path, "share_follower_killed", 3)
+    assert codes[1] == -signal.SIGKILL and codes[0] == 0 and codes[2] == 0, logs
+    r = results[0]
+    assert r["rank1_gone"] and r["equal"], (r, logs)
+    assert any("rank 1" in w and "left" in w for w in r["warnings"]), r["warnings"]
+    # (a detach or two may come first: until its death shows, the follower's unread
+    # batches count as held, and the leader gives them fresh segments rather than wait)
+
+
+def test_the_leaders_death_is_an_error_on_its_followers(tmp_path):
+    results, codes, logs = _ranks(tmp_path, "share_leader_killed", 2)
+    assert codes[0] == -signal.SIGKILL and codes[1] == 0, logs
+    r = results[1]
+    assert r["error"] is not None and r["error"].startswith("WorkerDied"), logs
+    assert "rank 0" in r["error"] and "exited" in r["error"]
+    assert r["took"] < 5.0, r
+
+
+def test_share_batches_is_checked(monkeypatch):
+    data = [torch.full((2,), i) for i in range(8)]
+    with pytest.raises(ValueError, match="share_batches must be a list of distinct"):
+        PoolLoader(data, num_workers=1, share_batches=[0, 0])
+    with pytest.raises(ValueError, match="share_batches must be a list of distinct"):
+        PoolLoader(data, num_workers=1, share_batches="01")
+    # without torchrun, or a rank not in the group: an ordinary loader
+    assert PoolLoader(data, num_workers=1, share_batches=[0, 1])._share is None
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "pltest-share-check")
+    monkeypatch.setenv("POOLLOADER_NODE_RANK_PID", str(os.getpid()))
+    assert PoolLoader(data, num_workers=1, share_batches=[1, 2])._share is None
+    assert PoolLoader(data, num_workers=1, share_batches=[0, 2])._share is None  # 2: another node
+    with pytest.raises(ValueError, match="in_order=False"):
+        PoolLoader(data, num_workers=1, in_order=False, share_batches=[0, 1])
+    with pytest.raises(ValueError, match="num_workers=0"):
+        PoolLoader(data, share_batches=[0, 1])
