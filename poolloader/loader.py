@@ -240,6 +240,14 @@ class PoolLoader(DataLoader[T_co]):
         worker. `{}` before the first iteration, and with `stateful=False` (no
         worker captured anything to resume from).
         """
+        if getattr(self._share, "role", None) == "follower":
+            if not self._warned_stateless:
+                self._warned_stateless = True
+                warn("PoolLoader(share_batches=...): this rank follows another rank's batches "
+                     "and keeps no resume state of its own, so state_dict() returns {} (not "
+                     "built yet); resume the group's leader, and start the followers' epoch "
+                     "where it resumes")
+            return {}
         if self._resume_plan is not None:  # loaded, not iterated yet
             return self._resume_plan if self.num_workers == 0 else self._resume_plan.state
         if self._resume_tracker is None:

@@ -27,7 +27,8 @@ Cases:
 
 share_batches=[0, 1] on 3 ranks (ranks 0 and 1 one data-parallel rank, with the same
 sampler; rank 2 another, not in the group):
-  share ARG=persistent(0/1)  two epochs of DataLoader, then of PoolLoader(share_batches);
+  share ARG=persistent(0/1)[node]  two epochs of DataLoader, then of
+        PoolLoader(share_batches) (with "node": and node_pool=True);
         records whether they are equal, the memfd inode behind each batch, this rank's
         children, and __getitem__ calls per phase (files calls.<phase>.<pid> in OUT).
   share_mismatch  rank 1's sampler has another seed: records its first next()'s error.
@@ -290,11 +291,12 @@ def main() -> dict:
         meet("done")
         return result
     if CASE == "share":
-        persistent = ARG == "1"
+        persistent, node_pool = ARG.startswith("1"), ARG.endswith("node")
         torch.manual_seed(0)
         expected = epochs(shared_loader(DataLoader, "torch", persistent))
         torch.manual_seed(0)
-        pool, sampler = shared_loader(PoolLoader, "pool", persistent, share_batches=SHARE_GROUP)
+        pool, sampler = shared_loader(PoolLoader, "pool", persistent, share_batches=SHARE_GROUP,
+                                      node_pool=node_pool)
         seen: dict = {"inodes": []}
 
         def look(batch):

@@ -13,9 +13,9 @@ import signal
 
 import pytest
 import torch
+from test_node_pool import _ranks
 
 from poolloader import PoolLoader
-from test_node_pool import _ranks
 
 
 def _calls(tmp_path, phase: str) -> dict[int, int]:
@@ -24,9 +24,12 @@ def _calls(tmp_path, phase: str) -> dict[int, int]:
             for p in glob.glob(str(tmp_path / f"calls.{phase}.*"))}
 
 
-@pytest.mark.parametrize("persistent", ["1", "0"])
-def test_a_group_gets_its_dataloaders_batches_made_once_from_the_same_pages(tmp_path, persistent):
-    results, codes, logs = _ranks(tmp_path, "share", 3, persistent)
+@pytest.mark.parametrize("arg", ["1", "0", "0node"])
+def test_a_group_gets_its_dataloaders_batches_made_once_from_the_same_pages(tmp_path, arg):
+    """Persistent workers or not; and with node_pool=True (the node's 2 processes,
+    local rank 0's children, make the leader's and rank 2's batches)."""
+    results, codes, logs = _ranks(tmp_path, "share", 3, arg)
+    persistent, node_pool = arg.startswith("1"), arg.endswith("node")
     assert codes == [0, 0, 0], logs
     leader, follower, other = results
     assert (leader["role"], follower["role"], other["role"]) == ("leader", "follower", None)
@@ -37,14 +40,17 @@ def test_a_group_gets_its_dataloaders_batches_made_once_from_the_same_pages(tmp_
     # of the other rank's
     assert None not in leader["inodes"] and leader["inodes"] == follower["inodes"], results
     assert not set(leader["inodes"]) & set(other["inodes"])
-    # the follower starts no process; the leader and rank 2 their 2 workers each
-    assert follower["children"] == [] and len(leader["children"]) == len(other["children"]) == 2
+    # the follower starts no process; the leader and rank 2 their 2 workers each (with
+    # node_pool, the leader, local rank 0, hosts the node's 2 processes, for both)
+    assert follower["children"] == []
+    assert len(leader["children"]) == 2
+    assert len(other["children"]) == (0 if node_pool else 2)
     # made once: DataLoader fetched each rank's 24 samples an epoch; the pool fetched the
     # group's once (the leader's workers) and rank 2's
     torch_calls, pool_calls = _calls(tmp_path, "torch"), _calls(tmp_path, "pool")
     assert sum(torch_calls.values()) == 3 * 24 * 2, torch_calls
     assert sum(pool_calls.values()) == 2 * 24 * 2, pool_calls
-    if persistent == "1":  # the same workers both epochs: the calls were theirs
+    if persistent:  # the same workers both epochs: the calls were theirs
         assert set(pool_calls) == set(leader["children"]) | set(other["children"]), pool_calls
 
 

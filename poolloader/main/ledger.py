@@ -218,7 +218,7 @@ class SlotLedger:
 
     def drain(self) -> None:
         """Take back the slots (and detached segments) whose last view died."""
-        released, leases, pool = self.released, self.leases, self.pool
+        released, leases = self.released, self.leases
         while released:
             ref = released.popleft()
             slot = leases.pop(ref, None)

@@ -41,6 +41,7 @@ import socket
 import struct
 import threading
 import time
+from typing import Any
 
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 
@@ -172,7 +173,7 @@ class ShareLeader:
         self._lock = threading.Lock()
         self._closed = False
         self._refused: list[str] = []
-        self.ledger = None  # the current iterator's (SlotLedger.shared keeps the counts)
+        self.ledger: Any = None  # the current iterator's SlotLedger (its `shared` counts)
         self._pool_id = 0  # one per ledger: a late release of an older pool's slot is stale
         self._epoch = 0
         self._n = 0
@@ -213,8 +214,9 @@ class ShareLeader:
                 if rank not in self.expected or any(f.rank == rank for f in self._followers):
                     difference = f"rank {rank} is not an expected follower {self.expected}"
                 if difference is not None:
-                    conn.send(_pack(("refused", difference.replace("local rank 0",
-                                                                   f"rank {self.rank}"))))
+                    difference = difference.replace("local rank 0", f"rank {self.rank}")
+                    self._refused.append(f"rank {rank}: {difference}")
+                    conn.send(_pack(("refused", difference)))
                     node._close_socket(conn)
                     continue
                 conn.send(_pack(("welcome",)))
@@ -232,6 +234,10 @@ class ShareLeader:
     def _wait_joined(self) -> None:
         deadline = time.monotonic() + self._timeout
         while len(self._followers) < len(self.expected) and self._thread.is_alive():
+            if self._refused:
+                raise ValueError(f"PoolLoader(share_batches=...): rank {self.rank} refused a "
+                                 f"rank of its group whose loader differs: "
+                                 f"{'; '.join(self._refused)}")
             if time.monotonic() > deadline:
                 came = sorted(f.rank for f in self._followers)
                 raise RuntimeError(
@@ -284,7 +290,7 @@ class ShareLeader:
                 self._gone(f)
                 continue
             f.held[key] += 1
-            self.ledger.share_out(slot, generation)  # type: ignore[union-attr]
+            self.ledger.share_out(slot, generation)
 
     def end_epoch(self) -> None:
         """The leader's epoch ended (or its iterator stopped): once per epoch."""
@@ -320,7 +326,7 @@ class ShareLeader:
                     key = tuple(key)
                     if f.held[key] > 0:  # else a stale pool's, or no batch it had
                         f.held[key] -= 1
-                        self.ledger.share_back(key[1], key[2])  # type: ignore[union-attr]
+                        self.ledger.share_back(key[1], key[2])
 
     def _gone(self, f: _Follower) -> None:
         with self._lock:
@@ -361,7 +367,7 @@ class ShareFollower:
         self.leases: dict = {}  # weakref to a Lease -> (pool id, slot, generation)
         self._released: collections.deque = collections.deque()
         self.on_release = self._released.append
-        self._early = None  # a message of a later epoch, read while this one still ran
+        self._early: tuple | None = None  # a later epoch's message, read while this one ran
         self._epoch = 0
         deadline = time.monotonic() + timeout
         while True:
@@ -458,7 +464,8 @@ class ShareFollower:
                     self._maps = {k: v for k, v in self._maps.items() if k[0] == pool_id}
                 if fds:
                     try:
-                        self._maps[(pool_id, slot)] = (generation, Mapping(fds[0], size))
+                        # MADV_DONTFORK, as the leader's (poolloader.shm.fork)
+                        self._maps[(pool_id, slot)] = (generation, Mapping(fds[0], size, True))
                     finally:
                         for fd in fds:
                             os.close(fd)
