@@ -31,7 +31,8 @@ sampler; rank 2 another, not in the group):
         PoolLoader(share_batches) (with "node": and node_pool=True);
         records whether they are equal, the memfd inode behind each batch, this rank's
         children, and __getitem__ calls per phase (files calls.<phase>.<pid> in OUT).
-  share_mismatch  rank 1's sampler has another seed: records its first next()'s error.
+  share_mismatch [loader]  rank 1's sampler has another seed (or, with "loader", its
+        batch_size differs): records the error, and where it came.
   share_follower_killed  rank 1 takes two batches and SIGKILLs itself; rank 0 goes on.
   share_leader_killed  both take a batch; rank 0 SIGKILLs itself; rank 1 records the error.
 """
@@ -172,13 +173,13 @@ class Counted(Augmented):
 SHARE_GROUP = [0, 1]
 
 
-def shared_loader(cls, phase, persistent=False, n=N_SAMPLES, seed=5, **kw):
+def shared_loader(cls, phase, persistent=False, n=N_SAMPLES, seed=5, batch_size=BATCH, **kw):
     """Ranks 0 and 1 are data-parallel rank 0 of 2 (the same sampler and generator), rank
     2 is data-parallel rank 1."""
     dp_rank = 0 if RANK in SHARE_GROUP else 1
     dataset = Counted(phase, n)
     sampler = DistributedSampler(dataset, num_replicas=2, rank=dp_rank, shuffle=True, seed=seed)
-    return cls(dataset, batch_size=BATCH, sampler=sampler, num_workers=WORKERS,
+    return cls(dataset, batch_size=batch_size, sampler=sampler, num_workers=WORKERS,
                worker_init_fn=init_fn, persistent_workers=persistent,
                generator=torch.Generator().manual_seed(11 + dp_rank), **kw), sampler
 
@@ -317,9 +318,14 @@ def main() -> dict:
         meet("done")
         return result
     if CASE == "share_mismatch":
-        pool, _ = shared_loader(PoolLoader, "pool", seed=6 if RANK == 1 else 5,
-                                share_batches=SHARE_GROUP)
-        error, _took = drain(iter(pool))
+        differs = RANK == 1
+        try:  # ARG "loader": rank 1's batch_size differs (else its sampler's seed)
+            pool, _ = shared_loader(PoolLoader, "pool", seed=6 if differs and not ARG else 5,
+                                    batch_size=5 if differs and ARG else BATCH,
+                                    share_batches=SHARE_GROUP)
+            error, _took = drain(iter(pool))
+        except ValueError as e:
+            error = f"constructor: {e}"
         meet("done")
         return {"error": error}
     if CASE == "share_follower_killed":

@@ -63,6 +63,16 @@ def test_a_follower_whose_sampler_differs_is_told_at_the_first_batch(tmp_path):
     assert "batch 0 of rank 0 holds the samples" in error and "rank 1's sampler gives" in error
 
 
+def test_a_follower_whose_loader_differs_is_refused_at_construction(tmp_path):
+    results, codes, logs = _ranks(tmp_path, "share_mismatch", 2, "loader")
+    assert codes == [0, 0], logs
+    follower, leader = results[1]["error"], results[0]["error"]
+    assert follower is not None and follower.startswith("constructor: "), logs
+    assert "batch_size: 5 here, 4 on rank 0" in follower, follower
+    # the leader's first batch says so at once, not after the rendezvous timeout
+    assert leader is not None and "refused a rank of its group" in leader, logs
+
+
 def test_a_killed_follower_is_dropped_and_the_leader_goes_on(tmp_path):
     results, codes, logs = _ranks(tmp_path, "share_follower_killed", 3)
     assert codes[1] == -signal.SIGKILL and codes[0] == 0 and codes[2] == 0, logs
