@@ -213,7 +213,7 @@ class PoolLoader(DataLoader[T_co]):
             return it
         if getattr(self._share, "role", None) == "follower":
             from poolloader.main.share import FollowerIter
-            return FollowerIter(self)
+            return FollowerIter(self, self._share)
         from poolloader.main.iterator import PoolLoaderIter
         from poolloader.resume.tracker import continues_epoch
         self.check_worker_number_rationality()

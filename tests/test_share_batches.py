@@ -24,7 +24,7 @@ def _calls(tmp_path, phase: str) -> dict[int, int]:
             for p in glob.glob(str(tmp_path / f"calls.{phase}.*"))}
 
 
-@pytest.mark.parametrize("arg", ["1", "0", "0node"])
+@pytest.mark.parametrize("arg", ["1", "0node"])
 def test_a_group_gets_its_dataloaders_batches_made_once_from_the_same_pages(tmp_path, arg):
     """Persistent workers or not; and with node_pool=True (the node's 2 processes,
     local rank 0's children, make the leader's and rank 2's batches)."""

@@ -91,7 +91,7 @@ def local_group() -> tuple[int, int, str] | None:
     return rank, size, f"{run_id}/{env.get('GROUP_RANK', '0')}"
 
 
-def _timeout() -> float:
+def rendezvous_timeout() -> float:
     value = os.environ.get(TIMEOUT_ENV)
     if value is None:
         return RENDEZVOUS_TIMEOUT
@@ -101,7 +101,7 @@ def _timeout() -> float:
         raise ValueError(f"{TIMEOUT_ENV}={value!r}: a number of seconds") from None
 
 
-def _address(run_key: str, k: int) -> bytes:
+def rendezvous_address(run_key: str, k: int) -> bytes:
     """The rendezvous name: the uid, the PID namespace, the torchrun agent (every local
     rank's parent: torchrun's default run id, "none", is shared by every job), the run
     id, node rank and restart, and the loader's ordinal."""
@@ -132,7 +132,7 @@ def fingerprint(loader, processes: int) -> dict:
             "node_workers": processes}
 
 
-def _difference(mine: dict, theirs: dict) -> str | None:
+def first_difference(mine: dict, theirs: dict) -> str | None:
     for key in mine:
         if mine[key] != theirs.get(key):
             return f"{key}: {mine[key]!r} here, {theirs.get(key)!r} on local rank 0"
@@ -171,7 +171,7 @@ def _parent_of(pid: int) -> int | None:
     return int(stat[stat.rfind(b")") + 2:].split()[1])
 
 
-def _peer_is_a_local_rank(sock: socket.socket) -> bool:
+def peer_is_a_local_rank(sock: socket.socket) -> bool:
     """Whether the other end is a process of this user, in this PID namespace, whose
     parent is ours (torchrun's agent): another local rank of this job. Checked before
     anything it sends is unpickled."""
@@ -180,15 +180,15 @@ def _peer_is_a_local_rank(sock: socket.socket) -> bool:
     return uid == os.getuid() and pid > 0 and _parent_of(pid) == os.getppid()
 
 
-def _held_socket() -> socket.socket:
+def held_socket(kind: int = socket.SOCK_STREAM) -> socket.socket:
     """A Unix socket a forked child closes at once (poolloader.shm.fork)."""
     with fork.creating():
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock = socket.socket(socket.AF_UNIX, kind)
         fork.hold(sock.fileno())
     return sock
 
 
-def _close_socket(sock: socket.socket | None) -> None:
+def close_socket(sock: socket.socket | None) -> None:
     if sock is not None and sock.fileno() >= 0:
         fork.release(sock.detach())
 
@@ -311,7 +311,7 @@ class NodeHost(_Node):
             self.pids = [w.pid for w in self._workers]
             self._made()
             self._wait_started(timeout)
-            self._listener = _held_socket()
+            self._listener = held_socket()
             try:
                 self._listener.bind(address)
             except OSError as e:
@@ -370,8 +370,8 @@ class NodeHost(_Node):
                                 fork.hold(conn.fileno())
                         except OSError:
                             continue
-                        if not _peer_is_a_local_rank(conn):
-                            _close_socket(conn)
+                        if not peer_is_a_local_rank(conn):
+                            close_socket(conn)
                             continue
                         conn.settimeout(30.0)
                         selector.register(conn, selectors.EVENT_READ)
@@ -382,19 +382,19 @@ class NodeHost(_Node):
                         self._answer(sock, _recv(sock))  # type: ignore[arg-type]
                     except Exception:  # that rank let go, died, or sent what cannot be read
                         selector.unregister(sock)
-                        _close_socket(sock)  # type: ignore[arg-type]
+                        close_socket(sock)  # type: ignore[arg-type]
                         self._clients -= 1  # that rank let go (or died)
         except (OSError, ValueError):
             pass  # closed under the selector
         finally:
             for key in list(selector.get_map().values()):
                 if key.fileobj is not listener:
-                    _close_socket(key.fileobj)  # type: ignore[arg-type]
+                    close_socket(key.fileobj)  # type: ignore[arg-type]
             selector.close()
 
     def _answer(self, sock: socket.socket, message) -> None:
         if message[0] == "hello":
-            difference = _difference(message[1], self._mine)
+            difference = first_difference(message[1], self._mine)
             if difference is not None:
                 _send(sock, ("refused", difference))
             else:
@@ -432,7 +432,7 @@ class NodeHost(_Node):
         self.segment.close()
         if listening:
             self._thread.join(2.0)  # type: ignore[union-attr]
-        _close_socket(self._listener)
+        close_socket(self._listener)
         supervise.stop(self._workers)
 
 
@@ -444,12 +444,12 @@ class NodeClient(_Node):
         self._sock: socket.socket | None = None
         deadline = time.monotonic() + timeout
         while True:
-            sock = _held_socket()
+            sock = held_socket()
             try:
                 sock.connect(address)
                 break
             except (FileNotFoundError, ConnectionRefusedError):
-                _close_socket(sock)
+                close_socket(sock)
                 if time.monotonic() > deadline:
                     raise RuntimeError(
                         f"PoolLoader(node_pool=True): local rank {local_rank} found no node "
@@ -460,7 +460,7 @@ class NodeClient(_Node):
                 time.sleep(0.05)
         self._sock = sock
         try:
-            if not _peer_is_a_local_rank(sock):
+            if not peer_is_a_local_rank(sock):
                 raise RuntimeError("PoolLoader(node_pool=True): the node pool's socket is held "
                                    "by a process that is not a local rank of this job")
             sock.settimeout(max(1.0, deadline - time.monotonic()))
@@ -500,7 +500,7 @@ class NodeClient(_Node):
 
     def close(self) -> None:
         sock, self._sock = self._sock, None
-        _close_socket(sock)
+        close_socket(sock)
         segment = getattr(self, "segment", None)
         if segment is not None:
             segment.close()
@@ -522,9 +522,9 @@ def join(loader, ctx, processes: int, group: tuple[int, int, str]) -> _Node:
                       f"processes can open: {why_not}; pass node_pool=False")
     rank, size, run_key = group
     os.environ[RANK_PID_ENV] = str(os.getpid())
-    address = _address(run_key, next(_ordinal))
+    address = rendezvous_address(run_key, next(_ordinal))
     mine = fingerprint(loader, processes)
-    timeout = _timeout()
+    timeout = rendezvous_timeout()
     node: _Node
     if rank == 0:
         node = NodeHost(ctx, processes, mine, address, timeout, expected=size - 1)

@@ -43,7 +43,8 @@ import threading
 import time
 from typing import Any
 
-from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
+from torch.utils.data import IterableDataset
+from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from poolloader.errors import WorkerDied, warn
 from poolloader.main import node
@@ -111,7 +112,7 @@ def check(loader) -> None:
     if loader.num_workers < 1:
         problems.append(f"num_workers={loader.num_workers} (the leader's workers make the "
                         "batches: use num_workers >= 1)")
-    if loader._dataset_kind != _DatasetKind.Map:
+    if isinstance(loader.dataset, IterableDataset):
         problems.append("an IterableDataset (each follower checks the leader's sample indices "
                         "against its own sampler's: use a map-style dataset)")
     if not loader.in_order:
@@ -128,15 +129,7 @@ def check(loader) -> None:
 
 
 def _address(run_key: str, leader: int, k: int) -> bytes:
-    return node._address(f"{run_key}/share/{leader}", k)
-
-
-def _seqpacket() -> socket.socket:
-    """A SOCK_SEQPACKET Unix socket that a forked child closes at once."""
-    with fork.creating():
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        fork.hold(sock.fileno())
-    return sock
+    return node.rendezvous_address(f"{run_key}/share/{leader}", k)
 
 
 def _peer_pid(sock: socket.socket) -> int:
@@ -178,12 +171,12 @@ class ShareLeader:
         self._epoch = 0
         self._n = 0
         self._ended = True
-        self._listener = _seqpacket()
+        self._listener = node.held_socket(socket.SOCK_SEQPACKET)
         try:
             self._listener.bind(address)
             self._listener.listen(64)
         except OSError as e:
-            node._close_socket(self._listener)
+            node.close_socket(self._listener)
             raise RuntimeError(f"PoolLoader(share_batches=...): rank {rank} cannot listen for "
                                f"its followers ({e}): a loader built twice in the same order?") \
                 from None
@@ -205,11 +198,11 @@ class ShareLeader:
             except (OSError, ValueError):
                 return  # closed under us
             try:
-                if not node._peer_is_a_local_rank(conn):
+                if not node.peer_is_a_local_rank(conn):
                     raise ConnectionError("not a local rank of this job")
                 conn.settimeout(30.0)
                 hello = pickle.loads(conn.recv(_MAX_MESSAGE))
-                difference = node._difference(hello["fingerprint"], self._mine)
+                difference = node.first_difference(hello["fingerprint"], self._mine)
                 rank = hello["rank"]
                 if rank not in self.expected or any(f.rank == rank for f in self._followers):
                     difference = f"rank {rank} is not an expected follower {self.expected}"
@@ -217,7 +210,7 @@ class ShareLeader:
                     difference = difference.replace("local rank 0", f"rank {self.rank}")
                     self._refused.append(f"rank {rank}: {difference}")
                     conn.send(_pack(("refused", difference)))
-                    node._close_socket(conn)
+                    node.close_socket(conn)
                     continue
                 conn.send(_pack(("welcome",)))
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
@@ -229,7 +222,7 @@ class ShareLeader:
                 with self._lock:
                     self._followers.append(_Follower(conn, rank, _peer_pid(conn)))
             except Exception:
-                node._close_socket(conn)
+                node.close_socket(conn)
 
     def _wait_joined(self) -> None:
         deadline = time.monotonic() + self._timeout
@@ -333,7 +326,7 @@ class ShareLeader:
             if f not in self._followers:
                 return
             self._followers.remove(f)
-        node._close_socket(f.sock)
+        node.close_socket(f.sock)
         if self.ledger is not None:
             for (_pool, slot, generation), count in f.held.items():
                 for _ in range(count):
@@ -348,8 +341,8 @@ class ShareLeader:
         with self._lock:
             followers, self._followers = self._followers, []
         for f in followers:
-            node._close_socket(f.sock)
-        node._close_socket(self._listener)
+            node.close_socket(f.sock)
+        node.close_socket(self._listener)
 
 
 class ShareFollower:
@@ -371,12 +364,12 @@ class ShareFollower:
         self._epoch = 0
         deadline = time.monotonic() + timeout
         while True:
-            sock = _seqpacket()
+            sock = node.held_socket(socket.SOCK_SEQPACKET)
             try:
                 sock.connect(address)
                 break
             except (FileNotFoundError, ConnectionRefusedError):
-                node._close_socket(sock)
+                node.close_socket(sock)
                 if time.monotonic() > deadline:
                     raise RuntimeError(
                         f"PoolLoader(share_batches=...): rank {rank} found no leader to share "
@@ -385,7 +378,7 @@ class ShareFollower:
                 time.sleep(0.05)
         self._sock = sock
         try:
-            if not node._peer_is_a_local_rank(sock):
+            if not node.peer_is_a_local_rank(sock):
                 raise RuntimeError("PoolLoader(share_batches=...): the leader's socket is held by "
                                    "a process that is not a local rank of this job")
             self.leader_pid = _peer_pid(sock)
@@ -508,7 +501,7 @@ class ShareFollower:
 
     def close(self) -> None:
         sock, self._sock = self._sock, None
-        node._close_socket(sock)
+        node.close_socket(sock)
         self._maps = {}
 
 
@@ -520,8 +513,8 @@ def _short(index) -> str:
 class FollowerIter(_BaseDataLoaderIter):
     """A follower's iterator: its own sampler's batches, decoded from its leader's slots."""
 
-    def __init__(self, loader) -> None:
-        self._link: ShareFollower = loader._share
+    def __init__(self, loader, link: ShareFollower) -> None:
+        self._link = link  # the loader's side of its group (join)
         super().__init__(loader)
         self._epoch = self._link.begin_epoch()
         self._n = 0
@@ -560,7 +553,7 @@ def join(loader, share_batches) -> ShareLeader | ShareFollower | None:
     check(loader)
     leader, rank, followers, run_key = found
     address = _address(run_key, leader, next(_ordinal))
-    timeout = node._timeout()
+    timeout = node.rendezvous_timeout()
     side: ShareLeader | ShareFollower
     if rank == leader:
         side = ShareLeader(loader, address, rank, followers, timeout)
