@@ -312,7 +312,12 @@ def main() -> dict:
                     look(batch)
                 batches.append([t.clone() for t in batch])
             got.append(batches)
+        # a loader nobody keeps (collected while its iterator runs) shares all the same
+        torch.manual_seed(0)
+        again = [[t.clone() for t in b] for b in shared_loader(
+            PoolLoader, "again", share_batches=SHARE_GROUP, node_pool=node_pool)[0]]
         result = {"equal": same(expected, got), "batches": len(got[0]),
+                  "again_equal": same(expected[:1], [again]),
                   "inodes": seen["inodes"], "children": seen["children"],
                   "role": getattr(pool._share, "role", None)}
         meet("done")

@@ -35,6 +35,7 @@ def test_a_group_gets_its_dataloaders_batches_made_once_from_the_same_pages(tmp_
     assert (leader["role"], follower["role"], other["role"]) == ("leader", "follower", None)
     for rank, r in enumerate(results):
         assert r["equal"], f"rank {rank}: batches differ from its DataLoader's\n{logs}"
+        assert r["again_equal"], f"rank {rank}: a loader collected while iterated\n{logs}"
         assert r["batches"] == 48 // 2 // 4
     # the same memfd inode behind every batch of the leader and the follower, and none
     # of the other rank's

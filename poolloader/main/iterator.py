@@ -140,6 +140,8 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         self._shutdown = False
         if self._node is not None:
             self._node.acquire()  # released by the teardown's last step (_leave_node)
+        if self._share is not None:
+            self._share.acquire()  # released by the teardown's step _end_share
         self._teardown_left = self._TEARDOWN
         try:
             self._request_rings = self._pool.control.request_rings
@@ -685,8 +687,12 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
             node.release()
 
     def _end_share(self) -> None:
-        if self._share is not None:
-            self._share.end_epoch()  # a follower still in this epoch is told, not left waiting
+        share, self._share = self._share, None
+        if share is not None:
+            try:
+                share.end_epoch()  # a follower still in this epoch is told, not left waiting
+            finally:
+                share.release()
 
     def shutdown_at_exit(self) -> None:
         """What supervise.track's exit handler (and the finaliser) calls: no CUDA call

@@ -223,26 +223,18 @@ class NodeProcess:
                 "num_workers=0 to see the error in the main process.")
 
 
-class _Node:
-    """What host and client share: the segment, the processes, the placement."""
+class Users:
+    """Closed with its last user: this rank's loader and its live iterators (an
+    iterator can outlive its loader), each counted by `acquire` and `release`."""
 
-    segment: NodeSegment
-    host_pid: int
-    pids: list[int]
-    local_rank: int
-
-    _users = 0  # this rank's loader and its live iterators (acquire / release)
+    _users = 0
     _users_lock = threading.Lock()
-
-    def host_alive(self) -> bool:
-        raise NotImplementedError
 
     def close(self) -> None:
         raise NotImplementedError
 
     def acquire(self) -> None:
-        """One more user here (the loader, an iterator); `release` when it is gone. The
-        node closes with the last one (an iterator can outlive its loader)."""
+        """One more user here (the loader, an iterator); `release` when it is gone."""
         with self._users_lock:
             self._users += 1
 
@@ -252,6 +244,18 @@ class _Node:
             last = self._users == 0
         if last:
             self.close()
+
+
+class _Node(Users):
+    """What host and client share: the segment, the processes, the placement."""
+
+    segment: NodeSegment
+    host_pid: int
+    pids: list[int]
+    local_rank: int
+
+    def host_alive(self) -> bool:
+        raise NotImplementedError
 
     def place(self, worker: int, num_workers: int) -> int:
         """The process hosting this rank's logical worker `worker` (module docstring)."""

@@ -41,6 +41,7 @@ import socket
 import struct
 import threading
 import time
+import weakref
 from typing import Any
 
 from torch.utils.data import IterableDataset
@@ -152,8 +153,9 @@ class _Follower:
         self.held: collections.Counter = collections.Counter()  # (pool, slot, generation) -> batches
 
 
-class ShareLeader:
-    """The leader's side: listens for its followers, publishes each delivered slot."""
+class ShareLeader(node.Users):
+    """The leader's side: listens for its followers, publishes each delivered slot.
+    Open while its loader or one of its iterators lives (node.Users)."""
 
     role = "leader"
 
@@ -345,8 +347,9 @@ class ShareLeader:
         node.close_socket(self._listener)
 
 
-class ShareFollower:
-    """A follower's side: connected to its leader; maps the leader's segments."""
+class ShareFollower(node.Users):
+    """A follower's side: connected to its leader; maps the leader's segments. Open
+    while its loader or one of its iterators lives (node.Users)."""
 
     role = "follower"
 
@@ -515,6 +518,8 @@ class FollowerIter(_BaseDataLoaderIter):
 
     def __init__(self, loader, link: ShareFollower) -> None:
         self._link = link  # the loader's side of its group (join)
+        link.acquire()  # the loader may go before this iterator
+        weakref.finalize(self, link.release)
         super().__init__(loader)
         self._epoch = self._link.begin_epoch()
         self._n = 0
@@ -546,7 +551,6 @@ class FollowerIter(_BaseDataLoaderIter):
 def join(loader, share_batches) -> ShareLeader | ShareFollower | None:
     """This loader's side of its share_batches group on this node (None: it shares
     nothing here); closed when the loader is collected."""
-    import weakref
     found = plan(members(share_batches))
     if found is None:
         return None
@@ -559,5 +563,6 @@ def join(loader, share_batches) -> ShareLeader | ShareFollower | None:
         side = ShareLeader(loader, address, rank, followers, timeout)
     else:
         side = ShareFollower(loader, address, leader, rank, timeout)
-    weakref.finalize(loader, side.close)
+    side.acquire()
+    weakref.finalize(loader, side.release)
     return side
