@@ -35,6 +35,8 @@ sampler; rank 2 another, not in the group):
         batch_size differs): records the error, and where it came.
   share_follower_killed  rank 1 takes two batches and SIGKILLs itself; rank 0 goes on.
   share_leader_killed  both take a batch; rank 0 SIGKILLs itself; rank 1 records the error.
+  share_nodes  4 ranks on 2 simulated nodes (GROUP_RANK 0 and 1), all in one group with
+        the same sampler: records whether each got its DataLoader's batches, and its role.
 """
 import json
 import os
@@ -56,7 +58,7 @@ import proc  # noqa: E402  (tests/proc.py: the process table)
 
 CASE, OUT = sys.argv[1], sys.argv[2]
 ARG = sys.argv[3] if len(sys.argv) > 3 else ""
-RANK, WORLD = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # global (one node: local)
 N_SAMPLES, BATCH, WORKERS = 48, 4, 2
 FAULT_SAMPLES = 800  # 100 batches a rank: a death always comes before the epoch ends
 MEET_S = 60.0
@@ -367,6 +369,17 @@ def main() -> dict:
             error, took = drain(it)
             return {"error": error, "took": took}
         return {}
+    if CASE == "share_nodes":
+        def one(cls, phase, **kw):
+            dataset = Counted(phase)
+            sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=5)
+            made = cls(dataset, batch_size=BATCH, sampler=sampler, num_workers=WORKERS,
+                       generator=torch.Generator().manual_seed(11), **kw)
+            return [[t.clone() for t in b] for b in made], getattr(made, "_share", None)
+        expected, _ = one(DataLoader, "torch")
+        got, side = one(PoolLoader, "pool", share_batches=list(range(WORLD)))
+        meet("done")
+        return {"equal": same([expected], [got]), "role": getattr(side, "role", None)}
     raise ValueError(CASE)
 
 

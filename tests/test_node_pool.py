@@ -27,13 +27,16 @@ CHILD = os.path.join(HERE, "_node_children.py")
 DEADLINE_S = 90.0
 
 
-def _ranks(tmp_path, case: str, world: int, arg: str = "", env=None) -> list:
-    """Run `case` on `world` local ranks; [rank's JSON, or None if it wrote none]."""
+def _ranks(tmp_path, case: str, world: int, arg: str = "", env=None, nodes: int = 1) -> list:
+    """Run `case` on `world` ranks (on `nodes` simulated nodes: GROUP_RANK, each with
+    world / nodes local ranks); [rank's JSON, or None if it wrote none]."""
     run_id = f"pltest-{uuid.uuid4().hex[:12]}"
     procs, logs = [], []
+    per_node = world // nodes
     try:
         for rank in range(world):
-            child_env = dict(os.environ, LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+            child_env = dict(os.environ, LOCAL_RANK=str(rank % per_node),
+                             LOCAL_WORLD_SIZE=str(per_node), GROUP_RANK=str(rank // per_node),
                              RANK=str(rank), WORLD_SIZE=str(world),
                              TORCHELASTIC_RUN_ID=run_id, **(env or {}),
                              PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(HERE),

@@ -55,6 +55,18 @@ def test_a_group_gets_its_dataloaders_batches_made_once_from_the_same_pages(tmp_
         assert set(pool_calls) == set(leader["children"]) | set(other["children"]), pool_calls
 
 
+def test_a_group_that_spans_nodes_is_made_once_per_node(tmp_path):
+    """4 ranks, 2 a node (GROUP_RANK 0 and 1, as torchrun --nnodes=2 sets it), one group:
+    each node's first rank leads; every rank gets its DataLoader's batches."""
+    results, codes, logs = _ranks(tmp_path, "share_nodes", 4, nodes=2)
+    assert codes == [0] * 4, logs
+    assert [r["role"] for r in results] == ["leader", "follower"] * 2, results
+    assert all(r["equal"] for r in results), logs
+    # DataLoader: 4 ranks × 48 samples; the pool: 48 per node
+    assert sum(_calls(tmp_path, "torch").values()) == 4 * 48
+    assert sum(_calls(tmp_path, "pool").values()) == 2 * 48
+
+
 def test_a_follower_whose_sampler_differs_is_told_at_the_first_batch(tmp_path):
     results, codes, logs = _ranks(tmp_path, "share_mismatch", 2)
     assert codes == [0, 0], logs
