@@ -555,6 +555,7 @@ def join(loader, share_batches) -> ShareLeader | ShareFollower | None:
     if found is None:
         return None
     check(loader)
+    os.environ[node.RANK_PID_ENV] = str(os.getpid())  # this process's children are not ranks
     leader, rank, followers, run_key = found
     address = _address(run_key, leader, next(_ordinal))
     timeout = node.rendezvous_timeout()
