@@ -3,8 +3,8 @@ its own PoolLoader, or PoolLoader(node_pool=True) (one set of worker processes f
 node, hosted by local rank 0), side by side in one run.
 
 The question it answers: with `R` local ranks each asking for `num_workers=2`, how many
-processes does the job run, how much memory does the node hold, and what does sharing
-the workers cost each rank's batches/s, first batch and main thread?
+processes does the job run, how much memory and worker CPU does the node spend, and what
+does sharing the workers cost each rank's batches/s, first batch and main thread?
 
 Arms (same data set, same sampler, same collate: `common.RFDETRShaped` /
 `common.RFDETRCollate`, RF-DETR's batch of 16 × 576², row `per_sample` by default):
@@ -23,22 +23,34 @@ past it every process of the job is killed by pid and the arm is FAILED). Each r
   1. joins a gloo process group (its timeout is the deadline too), builds a
      DistributedSampler(shuffle=True, seed) over the data set and its arm's loader
      (fork workers, `timeout=` on the loader: a stuck worker raises);
-  2. after a barrier, times iter() to the first batch ("first batch s");
+  2. after a barrier, times iter() to the first batch ("first batch s"); barrier, and
+     rank 0 reads the CPU time of the job's worker processes (below), barrier;
   3. draws `--warmup-batches` untimed batches, then `--batches` timed ones, `next()`
      then `del` (the consumer does nothing else): batches/s over that window, and the
      median over batches of the main thread's CPU ms for `next()` + `del`
      (`time.thread_time`: what receiving and releasing a batch costs the training
      thread, not the time it waits);
-  4. barrier (every rank done, every iterator still alive with a full pipeline); rank 0
-     (local rank 0: one node) takes the census: the job's processes are every live
-     (non-zombie) descendant of torchrun, plus every live process in torchrun's session
-     or a rank's session (torchrun starts each rank as a session leader; its workers
-     inherit the session even if reparented), torchrun itself excluded: the ranks, the
-     loaders' workers and any helper a loader starts. "worker processes" is that minus
-     the ranks. "node PSS" sums their Pss (/proc/<pid>/smaps_rollup, read by
-     poolloader.main.memory.read_process): each shared page is divided among the
-     processes that map it, so the sum is what the job holds together (torchrun's own
-     PSS is in the JSON, not in the sum);
+  4. barrier (every rank done, every iterator still alive); rank 0 (local rank 0: one
+     node) reads the workers' CPU again, then takes the census: the job's processes are
+     every live (non-zombie) descendant of torchrun, plus every live process in
+     torchrun's session or a rank's session (torchrun starts each rank as a session
+     leader; its workers inherit the session even if reparented), torchrun itself
+     excluded: the ranks, the loaders' workers and any helper a loader starts. "worker
+     processes" is that minus the ranks. "node PSS" sums their Pss
+     (/proc/<pid>/smaps_rollup, read by poolloader.main.memory.read_process): each
+     shared page is divided among the processes that map it, so the sum is what the job
+     holds together (torchrun's own PSS is in the JSON, not in the sum). "workers' CPU
+     ms per delivered batch" is what the worker processes' CPU time (common.cpu_ns:
+     every live thread's, /proc/<pid>/task/*/schedstat, ns) grew by between the two
+     readings, over the batches every rank delivered in between (R × (warm-up +
+     timed)). Both readings wait, every other rank held in the barrier, until the
+     workers' summed CPU grows by ≤ SETTLED_CPU_MS in SETTLE_STEP_S: every pipeline is
+     full and idle, so the batches made in between are the batches asked for in
+     between, one per delivered batch. The worker processes must be the same at both
+     readings and no thread of theirs may exit in between (else the job FAILS); worker
+     start-up (before the first batch) is outside the window. Filling the pipelines before the warm-up
+     leaves the timed window a fuller pipeline at its start than a run without the
+     reading would;
   5. barrier, shuts its iterator down, barrier, destroy_process_group; writes its
      figures to a file the driver reads.
 After torchrun exits the driver waits (10 s at most) until no process of the job's
@@ -46,21 +58,23 @@ sessions is alive and no /dev/shm name carrying one of the job's pids is left; a
 that leaves either is FAILED (and what it left is killed, by pid).
 
 Reported per rank count and arm: worker processes, job processes, node PSS (and the
-workers' share of it), first batch, batches/s and main-thread CPU ms per batch. The
-per-rank ones are median [min–max] over every rank of every repetition; the others over
-repetitions. Ratio columns pair the arms of one repetition (per-rank metrics: the
-median over ranks), then summarise. Targets (set for 4 ranks; shown for every rank
-count): the node arm's job processes ≤ num_workers + ranks + 1 (7 at 4 ranks, with
-the default node_workers); node PSS ≤ 0.5 × PoolLoader per rank's; batches/s per
-rank ≥ 0.9 × PoolLoader per rank's with the same total worker count (comparable only
-when the node arm runs ranks × num_workers workers: `--node-workers total`).
+workers' share of it), first batch, batches/s, main-thread CPU ms per batch and workers'
+CPU ms per delivered batch. The per-rank ones are median [min–max] over every rank of
+every repetition; the others over repetitions. Ratio columns pair the arms of one
+repetition (per-rank metrics: the median over ranks), then summarise. Targets (set for
+4 ranks; shown for every rank count): the node arm's job processes ≤ num_workers +
+ranks + 1 (7 at 4 ranks, with the default node_workers); node PSS ≤ 0.5 × PoolLoader
+per rank's; batches/s per rank ≥ 0.9 × PoolLoader per rank's with the same total worker
+count (comparable only when the node arm runs ranks × num_workers workers:
+`--node-workers total`).
 
 Process counts and PSS hardly depend on the machine's load; times do, and R ranks with
 their workers on a 2-core machine share two cores: compare the ratios inside one run.
 
 Usage:
     python bench/node.py [--quick] [--ranks 2,4] [--num-workers 2] [--node-workers N|total]
-                         [--arms torch,pool,node] [--batches 20] [--warmup-batches 4]
+                         [--arms torch,pool,node]
+                         [--batches 20] [--warmup-batches 4]
                          [--row per_sample] [--resolution 576] [--timeout 300] [--out DIR]
 """
 from __future__ import annotations
@@ -85,6 +99,12 @@ ARM_LABEL = {"torch": "DataLoader per rank", "pool": "PoolLoader per rank",
 PER_RANK = ("first_s", "batch_s", "main_cpu_ms")  # each rank's; the job's: the rest
 ZOMBIE = (b"Z", b"X", b"x")
 CLEAN_WAIT_S = 10.0
+# The workers' CPU is read once their pipelines are full: when their CPU time, summed,
+# grows by at most SETTLED_CPU_MS over SETTLE_STEP_S (an idle worker wakes every 0.25 s
+# for microseconds; a busy one takes most of a core), within SETTLE_TIMEOUT_S.
+SETTLE_STEP_S = 0.5
+SETTLED_CPU_MS = 5.0
+SETTLE_TIMEOUT_S = 60.0
 
 
 # ---------------------------------------------------------------------------
@@ -188,6 +208,10 @@ def _rank_body(spec: dict, rank: int, world: int, local_rank: int) -> dict:
         batch = next(it)
         out["first_s"] = time.perf_counter() - t0
         del batch
+        dist.barrier()  # every rank has its first batch: every worker is up
+        if local_rank == 0:
+            cpu0 = _settled_worker_cpu(os.getppid(), rank_pids)
+        dist.barrier()  # the workers' CPU is read: the CPU window opens
         for _ in range(spec["warmup_batches"]):
             batch = next(it)
             del batch
@@ -203,6 +227,9 @@ def _rank_body(spec: dict, rank: int, world: int, local_rank: int) -> dict:
         out["main_cpu_ms"] = statistics.median(cpu_ms)
         dist.barrier()  # every rank is past its timed window, every iterator alive
         if local_rank == 0:
+            cpu1 = _settled_worker_cpu(os.getppid(), rank_pids)
+            delivered = world * (spec["warmup_batches"] + spec["batches"])
+            out.update(_worker_cpu(cpu0, cpu1, delivered))
             out.update(_census(os.getppid(), rank_pids, read_process))
         dist.barrier()  # the census is taken
     finally:
@@ -210,6 +237,45 @@ def _rank_body(spec: dict, rank: int, world: int, local_rank: int) -> dict:
         del it
     dist.barrier()  # every rank has shut its loader down
     return out
+
+
+def _settled_worker_cpu(torchrun: int, rank_pids: list) -> dict:
+    """{pid: CPU ns} of the job's worker processes (the census less the ranks), read
+    once their pipelines are full (see SETTLE_STEP_S); rank 0 calls it while the
+    other ranks wait in a barrier, so no rank asks for a batch meanwhile."""
+    import common
+
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    before = None
+    while True:
+        now = {pid: common.cpu_ns(pid) for pid in job_census(torchrun, rank_pids)
+               if pid not in rank_pids}
+        if before is not None and now.keys() == before.keys():
+            grew_ms = (sum(now.values()) - sum(before.values())) / 1e6
+            if grew_ms <= SETTLED_CPU_MS:
+                return now
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the workers {sorted(now)} did not go idle within "
+                               f"{SETTLE_TIMEOUT_S:.0f} s (SETTLE_TIMEOUT_S) of the ranks' barrier: "
+                               f"their CPU grew by more than {SETTLED_CPU_MS} ms (SETTLED_CPU_MS) "
+                               f"every {SETTLE_STEP_S} s")
+        before = now
+        time.sleep(SETTLE_STEP_S)
+
+
+def _worker_cpu(cpu0: dict, cpu1: dict, delivered: int) -> dict:
+    """The workers' CPU between two settled readings, per batch the ranks delivered."""
+    if cpu0.keys() != cpu1.keys():
+        raise RuntimeError(f"worker processes changed inside the CPU window: started "
+                           f"{sorted(cpu1.keys() - cpu0.keys())}, gone "
+                           f"{sorted(cpu0.keys() - cpu1.keys())}")
+    shrank = sorted(pid for pid in cpu0 if cpu1[pid] < cpu0[pid])
+    if shrank:
+        raise RuntimeError(f"a thread of worker process(es) {shrank} exited inside the CPU "
+                           "window (common.cpu_ns counts live threads only)")
+    total_ms = sum(cpu1[pid] - cpu0[pid] for pid in cpu0) / 1e6
+    return {"worker_cpu_ms": total_ms / delivered, "worker_cpu_s": total_ms / 1e3,
+            "delivered": delivered}
 
 
 def _census(torchrun: int, rank_pids: list, read_process) -> dict:
@@ -288,7 +354,8 @@ def run_job(spec: dict, ranks: int, timeout: float) -> dict:
         shutil.rmtree(tmp, ignore_errors=True)
     job = results[0]
     out = {k: job[k] for k in ("processes", "workers", "pss_mib", "rank_pss_mib",
-                               "worker_pss_mib", "torchrun_pss_mib", "others")}
+                               "worker_pss_mib", "torchrun_pss_mib", "others",
+                               "worker_cpu_ms", "worker_cpu_s", "delivered")}
     ordered = [results[r] for r in sorted(results)]
     for metric in PER_RANK:
         values = [r[metric] for r in ordered]
@@ -368,6 +435,7 @@ ROWS = [  # metric, heading, format
     ("first_s", "first batch s, per rank", ".2f"),
     ("batch_s", "batches/s per rank", ".2f"),
     ("main_cpu_ms", "main-thread CPU ms/batch, per rank", ".2f"),
+    ("worker_cpu_ms", "workers' CPU ms per delivered batch", ".1f"),
 ]
 
 
@@ -527,7 +595,8 @@ def main(argv=None) -> int:
     raw = common.interleave(cfg.ranks_list, cfg.arms_list, measure, reps=cfg.reps,
                             warmup_reps=cfg.warmup_reps, label=NAME, stagger=True,
                             show=lambda m: (f"{m['processes']} processes, {m['pss_mib']:.0f} MiB PSS, "
-                                            f"{m['batch_s']:.2f} batches/s per rank (median)"))
+                                            f"{m['batch_s']:.2f} batches/s per rank (median), "
+                                            f"workers {m['worker_cpu_ms']:.1f} CPU ms/batch"))
     nw = ("not given (num_workers)" if cfg.node_workers is None else
           "ranks × num_workers" if cfg.node_workers == "total" else str(cfg.node_workers))
     head = (f"## One pool per node (bench/node.py{' --quick' if cfg.quick else ''})\n\n"
@@ -543,9 +612,14 @@ def main(argv=None) -> int:
             "over repetitions. ÷ columns: per-repetition ratios between arms run side by side "
             "(per-rank metrics: each job's median over its ranks). Job processes: torchrun's "
             "live descendants and the members of its and its ranks' sessions, torchrun "
-            "excluded; node PSS: their smaps_rollup Pss summed. Process counts and PSS hardly "
-            "depend on load; times on a shared 2-core machine do.\n\n")
-    metrics = [m for m, _, _ in ROWS] + ["rank_pss_mib", "torchrun_pss_mib", "first_s_max"]
+            "excluded; node PSS: their smaps_rollup Pss summed. Workers' CPU: the CPU time of "
+            "the job's processes other than the ranks between two readings taken with full "
+            "pipelines (after the first batch, after the timed batches), over every batch "
+            f"the ranks delivered between them ({cfg.warmup_batches} + {cfg.batches} per rank). "
+            "Process counts and PSS hardly depend on load; times on a shared 2-core machine "
+            "do.\n\n")
+    metrics = [m for m, _, _ in ROWS] + ["rank_pss_mib", "torchrun_pss_mib", "first_s_max",
+                                         "worker_cpu_s"]
     common.write_outputs(cfg, head + table(raw, cfg),
                          {"raw": raw.as_json(), "summaries": common.summaries(raw, metrics, "pool"
                                                                               if "pool" in cfg.arms_list
