@@ -1,10 +1,12 @@
 """One pool per node: the local ranks of a torchrun job, each with its own DataLoader,
-its own PoolLoader, or PoolLoader(node_pool=True) (one set of worker processes for the
-node, hosted by local rank 0), side by side in one run.
+its own PoolLoader, PoolLoader(node_pool=True) (one set of worker processes for the
+node, hosted by local rank 0) or PoolLoader(share_batches=every rank) (ranks that draw
+the same batches get each made once), side by side in one run.
 
 The question it answers: with `R` local ranks each asking for `num_workers=2`, how many
 processes does the job run, how much memory and worker CPU does the node spend, and what
-does sharing the workers cost each rank's batches/s, first batch and main thread?
+does sharing the workers (or the batches) cost each rank's batches/s, first batch and
+main thread?
 
 Arms (same data set, same sampler, same collate: `common.RFDETRShaped` /
 `common.RFDETRCollate`, RF-DETR's batch of 16 × 576², row `per_sample` by default):
@@ -14,6 +16,15 @@ Arms (same data set, same sampler, same collate: `common.RFDETRShaped` /
          `--node-workers N` (`total`: ranks × num_workers, the per-rank arms' worker
          count). A tree whose PoolLoader refuses the keyword (TypeError) gives FAILED
          with that error, and the run goes on.
+  share  PoolLoader(num_workers=2, share_batches=list(range(R))): rank 0 (the leader)
+         runs its workers, the other ranks map its slots. Only with `--same-batches`
+         (refused otherwise: share_batches errors at the first batch whose indices differ).
+
+`--same-batches` gives every rank of every arm DistributedSampler(num_replicas=1,
+rank=0) instead of its share of the data: the ranks then consume identical batches, as
+a tensor-parallel group does, and pool (each rank makes them itself) is share's
+baseline. It is an option, not a second pool arm, so that one run's arms all draw the
+same data and the ÷ columns pair like with like; without it the table is what it was.
 
 Method. A cell is a rank count (`--ranks 2,4`). For every cell, arm and repetition
 (`common.interleave`: arms back to back, the order rotated per repetition and cell) the
@@ -21,8 +32,9 @@ driver starts `python -m torch.distributed.run --standalone --nproc_per_node=R
 bench/node.py --rank-child SPEC` in a session of its own, with a deadline (`--timeout`:
 past it every process of the job is killed by pid and the arm is FAILED). Each rank:
   1. joins a gloo process group (its timeout is the deadline too), builds a
-     DistributedSampler(shuffle=True, seed) over the data set and its arm's loader
-     (fork workers, `timeout=` on the loader: a stuck worker raises);
+     DistributedSampler(shuffle=True, seed) over the data set (its own share, or with
+     `--same-batches` everything, as rank 0 of one replica) and its arm's loader (fork
+     workers, `timeout=` on the loader: a stuck worker raises);
   2. after a barrier, times iter() to the first batch ("first batch s"); barrier, and
      rank 0 reads the CPU time of the job's worker processes (below), barrier;
   3. draws `--warmup-batches` untimed batches, then `--batches` timed ones, `next()`
@@ -46,9 +58,10 @@ past it every process of the job is killed by pid and the arm is FAILED). Each r
      timed)). Both readings wait, every other rank held in the barrier, until no
      worker's CPU grows by more than SETTLED_CPU_MS in SETTLE_STEP_S: every pipeline is
      full and idle, so the batches made in between are the batches asked for in
-     between, one per delivered batch. The worker processes must be the same at both
-     readings and no thread of theirs may exit in between (else the job FAILS); worker
-     start-up (before the first batch) is outside the window. Filling the pipelines before the warm-up
+     between, one per delivered batch of a rank that makes its own (one per leader's
+     batch under share). The worker processes must be the same at both readings and no
+     thread of theirs may exit in between (else the job FAILS); worker start-up (before
+     the first batch) is outside the window. Filling the pipelines before the warm-up
      leaves the timed window a fuller pipeline at its start than a run without the
      reading would;
   5. barrier, shuts its iterator down, barrier, destroy_process_group; writes its
@@ -66,14 +79,17 @@ repetition (per-rank metrics: the median over ranks), then summarise. Targets (s
 ranks + 1 (7 at 4 ranks, with the default node_workers); node PSS ≤ 0.5 × PoolLoader
 per rank's; batches/s per rank ≥ 0.9 × PoolLoader per rank's with the same total worker
 count (comparable only when the node arm runs ranks × num_workers workers:
-`--node-workers total`).
+`--node-workers total`); with `--same-batches`, share's workers' CPU per delivered
+batch ≤ 0.3 × pool's (R ranks sharing make each batch once, so about 1/R is expected:
+0.25 at 4 ranks, 0.5 at 2; a worker's CPU per batch made varies by ±25% from job to job
+on a shared 2-core machine, so take repetitions).
 
 Process counts and PSS hardly depend on the machine's load; times do, and R ranks with
 their workers on a 2-core machine share two cores: compare the ratios inside one run.
 
 Usage:
     python bench/node.py [--quick] [--ranks 2,4] [--num-workers 2] [--node-workers N|total]
-                         [--arms torch,pool,node]
+                         [--arms torch,pool,node] [--same-batches [--arms pool,share]]
                          [--batches 20] [--warmup-batches 4]
                          [--row per_sample] [--resolution 576] [--timeout 300] [--out DIR]
 """
@@ -93,9 +109,10 @@ NAME = "node"
 HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(HERE))
 MIB = 1 << 20
-ARMS = ("torch", "pool", "node")
+ARMS = ("torch", "pool", "node", "share")
 ARM_LABEL = {"torch": "DataLoader per rank", "pool": "PoolLoader per rank",
-             "node": "PoolLoader node pool"}
+             "node": "PoolLoader node pool", "share": "PoolLoader share_batches"}
+SAME_BATCHES_ONLY = ("share",)  # arms that need every rank's sampler to give the same batches
 PER_RANK = ("first_s", "batch_s", "main_cpu_ms")  # each rank's; the job's: the rest
 ZOMBIE = (b"Z", b"X", b"x")
 CLEAN_WAIT_S = 10.0
@@ -185,12 +202,16 @@ def _rank_body(spec: dict, rank: int, world: int, local_rank: int) -> dict:
     from poolloader import PoolLoader
     from poolloader.main.memory import read_process
 
-    arm, workers = spec["arm"], spec["num_workers"]
+    arm, workers, same = spec["arm"], spec["num_workers"], spec["same_batches"]
+    if arm in SAME_BATCHES_ONLY and not same:
+        raise RuntimeError(f"the {arm} arm needs identical samplers on every rank "
+                           "(share_batches checks each batch's indices): pass --same-batches")
     in_flight = 2 * workers + 2  # what a pipeline holds beyond the batches drawn
     per_rank = spec["warmup_batches"] + spec["batches"] + 1 + in_flight
     dataset = common.RFDETRShaped(common.BATCH * world * per_rank, resolution=spec["resolution"])
-    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True,
-                                 seed=spec["seed"])
+    # --same-batches: every rank draws what rank 0 of a one-replica sampler draws
+    sampler = DistributedSampler(dataset, num_replicas=1 if same else world,
+                                 rank=0 if same else rank, shuffle=True, seed=spec["seed"])
     kwargs: dict = dict(batch_size=common.BATCH, sampler=sampler, num_workers=workers,
                         collate_fn=common.RFDETRCollate(spec["row"], pool=arm != "torch"),
                         timeout=spec["loader_timeout"])
@@ -198,6 +219,8 @@ def _rank_body(spec: dict, rank: int, world: int, local_rank: int) -> dict:
         kwargs["node_pool"] = True
         if spec["node_workers"] is not None:
             kwargs["node_workers"] = spec["node_workers"]
+    if arm == "share":
+        kwargs["share_batches"] = list(range(world))
     loader = (DataLoader if arm == "torch" else PoolLoader)(dataset, **kwargs)
     rank_pids: list = [None] * world
     dist.all_gather_object(rank_pids, os.getpid())
@@ -445,7 +468,8 @@ def table(raw, cfg) -> str:
     import common
 
     arms = [a for a in ARMS if a in cfg.arms_list]
-    ratios = [(a, b) for a, b in (("node", "pool"), ("pool", "torch")) if a in arms and b in arms]
+    ratios = [(a, b) for a, b in (("node", "pool"), ("share", "pool"), ("pool", "torch"))
+              if a in arms and b in arms]
     out = []
     for cell in raw.cells:
         rows = []
@@ -476,48 +500,73 @@ def _not_measured(raw, cell, *arms) -> str:
 
 
 def targets(raw, cfg) -> list:
-    """[ranks, target, measured, verdict] of the issue's three targets at each rank count."""
+    """[ranks, target, measured, verdict] of the issue's targets at each rank count:
+    the node arm's three against PoolLoader per rank, the share arm's one."""
+    rows = []
+    for ranks in raw.cells:
+        if "node" in cfg.arms_list:
+            rows += _node_targets(raw, cfg, ranks)
+        if "share" in cfg.arms_list and "pool" in cfg.arms_list:
+            rows.append(_share_target(raw, ranks))
+    return rows
+
+
+def _node_targets(raw, cfg, ranks: int) -> list:
     import common
 
     rows = []
-    if "node" not in cfg.arms_list:
+    bound = cfg.num_workers + ranks + 1
+    n = _median(raw, ranks, "node", "processes")
+    pool_n = _median(raw, ranks, "pool", "processes") if "pool" in cfg.arms_list else None
+    text = f"job processes ≤ num_workers + ranks + 1 = {cfg.num_workers} + {ranks} + 1 = {bound}"
+    if n is None:
+        rows.append([ranks, text, "–", _not_measured(raw, ranks, "node")])
+    else:
+        measured = f"{n:.0f}" + (f" (PoolLoader per rank: {pool_n:.0f})" if pool_n is not None else "")
+        verdict = "met" if n <= bound else f"missed by {n - bound:.0f}"
+        given = node_workers_given(cfg, ranks)
+        if given not in (None, cfg.num_workers):
+            verdict += f" (the node arm ran node_workers={given}; the target is for the default)"
+        rows.append([ranks, text, measured, verdict])
+    if "pool" not in cfg.arms_list:
         return rows
-    for ranks in raw.cells:
-        bound = cfg.num_workers + ranks + 1
-        n = _median(raw, ranks, "node", "processes")
-        pool_n = _median(raw, ranks, "pool", "processes") if "pool" in cfg.arms_list else None
-        text = f"job processes ≤ num_workers + ranks + 1 = {cfg.num_workers} + {ranks} + 1 = {bound}"
-        if n is None:
-            rows.append([ranks, text, "–", _not_measured(raw, ranks, "node")])
-        else:
-            measured = f"{n:.0f}" + (f" (PoolLoader per rank: {pool_n:.0f})" if pool_n is not None else "")
-            verdict = "met" if n <= bound else f"missed by {n - bound:.0f}"
-            given = node_workers_given(cfg, ranks)
-            if given not in (None, cfg.num_workers):
-                verdict += f" (the node arm ran node_workers={given}; the target is for the default)"
-            rows.append([ranks, text, measured, verdict])
-        if "pool" not in cfg.arms_list:
-            continue
-        r = common.ratio(raw, ranks, "node", "pool", "pss_mib")
-        text = "node PSS ≤ 0.5 × PoolLoader per rank's"
-        if not r.n:
-            rows.append([ranks, text, "–", _not_measured(raw, ranks, "node", "pool")])
-        else:
-            rows.append([ranks, text, r.fmt(".2f", "×"),
-                         "met" if r.median <= 0.5 else f"missed by {r.median / 0.5:.2f}×"])
-        r = common.ratio(raw, ranks, "node", "pool", "batch_s")
-        text = "batches/s per rank ≥ 0.9 × PoolLoader per rank's, same total worker count"
-        if not r.n:
-            rows.append([ranks, text, "–", _not_measured(raw, ranks, "node", "pool")])
-            continue
-        node_w = _median(raw, ranks, "node", "workers")
-        pool_w = _median(raw, ranks, "pool", "workers")
-        verdict = "met" if r.median >= 0.9 else f"missed by {0.9 / r.median:.2f}×"
-        if node_w != pool_w:
-            verdict = (f"not comparable ({node_w:.0f} worker processes against {pool_w:.0f}: "
-                       f"rerun with --node-workers total); at these counts: {verdict}")
-        rows.append([ranks, text, r.fmt(".2f", "×"), verdict])
+    r = common.ratio(raw, ranks, "node", "pool", "pss_mib")
+    text = "node PSS ≤ 0.5 × PoolLoader per rank's"
+    if not r.n:
+        rows.append([ranks, text, "–", _not_measured(raw, ranks, "node", "pool")])
+    else:
+        rows.append([ranks, text, r.fmt(".2f", "×"),
+                     "met" if r.median <= 0.5 else f"missed by {r.median / 0.5:.2f}×"])
+    r = common.ratio(raw, ranks, "node", "pool", "batch_s")
+    text = "batches/s per rank ≥ 0.9 × PoolLoader per rank's, same total worker count"
+    if not r.n:
+        rows.append([ranks, text, "–", _not_measured(raw, ranks, "node", "pool")])
+        return rows
+    node_w = _median(raw, ranks, "node", "workers")
+    pool_w = _median(raw, ranks, "pool", "workers")
+    verdict = "met" if r.median >= 0.9 else f"missed by {0.9 / r.median:.2f}×"
+    if node_w != pool_w:
+        verdict = (f"not comparable ({node_w:.0f} worker processes against {pool_w:.0f}: "
+                   f"rerun with --node-workers total); at these counts: {verdict}")
+    rows.append([ranks, text, r.fmt(".2f", "×"), verdict])
     return rows
+
+
+def _share_target(raw, ranks: int) -> list:
+    """share_batches over every rank: the workers' CPU per delivered batch ≤ 0.3 × what
+    PoolLoader per rank spends, both arms drawing the same batches on every rank."""
+    import common
+
+    r = common.ratio(raw, ranks, "share", "pool", "worker_cpu_ms")
+    text = ("workers' CPU ms per delivered batch ≤ 0.3 × PoolLoader per rank's, "
+            "every rank the same batches")
+    if not r.n:
+        return [ranks, text, "–", _not_measured(raw, ranks, "share", "pool")]
+    verdict = "met" if r.median <= 0.3 else f"missed by {r.median / 0.3:.2f}×"
+    if ranks != 4:
+        verdict += (f" (set for 4 ranks; {ranks} ranks sharing make each batch once, "
+                    f"so about 1/{ranks} = {1 / ranks:.2f} is expected)")
+    return [ranks, text, r.fmt(".2f", "×"), verdict]
 
 
 # ---------------------------------------------------------------------------
@@ -550,6 +599,9 @@ def main(argv=None) -> int:
     p.add_argument("--resolution", type=int, default=common.RESOLUTION,
                    help=f"image side (default {common.RESOLUTION})")
     p.add_argument("--seed", type=int, default=0, help="DistributedSampler's seed")
+    p.add_argument("--same-batches", action="store_true",
+                   help="every rank's sampler gives the same batches (DistributedSampler("
+                        "num_replicas=1, rank=0)), for every arm; the share arm needs it")
     p.add_argument("--loader-timeout", type=float, default=120.0,
                    help="the loaders' timeout= in seconds (default 120)")
     p.add_argument("--timeout", type=float, default=300.0,
@@ -565,6 +617,10 @@ def main(argv=None) -> int:
     unknown = sorted(set(cfg.arms_list) - set(ARMS))
     if unknown or not cfg.arms_list:
         p.error(f"--arms {cfg.arms!r}: choose from {', '.join(ARMS)}")
+    needs = [a for a in cfg.arms_list if a in SAME_BATCHES_ONLY]
+    if needs and not cfg.same_batches:
+        p.error(f"--arms {','.join(needs)} needs --same-batches (share_batches= ranks must "
+                "draw identical batches; compare it with pool under the same samplers)")
     if cfg.num_workers < 1:
         p.error(f"--num-workers must be >= 1 (the bench compares worker processes), got {cfg.num_workers}")
     if cfg.row not in common.ROW_LABEL:
@@ -591,6 +647,7 @@ def main(argv=None) -> int:
                 "node_workers": node_workers_given(cfg, ranks) if arm == "node" else None,
                 "resolution": cfg.resolution, "batches": cfg.batches,
                 "warmup_batches": cfg.warmup_batches, "seed": cfg.seed + max(rep, 0),
+                "same_batches": cfg.same_batches,
                 "loader_timeout": cfg.loader_timeout, "timeout": cfg.timeout}
         return run_job(spec, ranks, cfg.timeout)
 
@@ -601,8 +658,12 @@ def main(argv=None) -> int:
                                             f"workers {m['worker_cpu_ms']:.1f} CPU ms/batch"))
     nw = ("not given (num_workers)" if cfg.node_workers is None else
           "ranks × num_workers" if cfg.node_workers == "total" else str(cfg.node_workers))
-    head = (f"## One pool per node (bench/node.py{' --quick' if cfg.quick else ''})\n\n"
-            f"torchrun --standalone, gloo on CPU, one node; each rank a DistributedSampler "
+    flags = "".join(f" {f}" for f, on in (("--quick", cfg.quick), ("--same-batches", cfg.same_batches))
+                    if on)
+    sampler = ("DistributedSampler(num_replicas=1, rank=0): every rank the same batches"
+               if cfg.same_batches else "DistributedSampler over the ranks")
+    head = (f"## One pool per node (bench/node.py{flags})\n\n"
+            f"torchrun --standalone, gloo on CPU, one node; each rank a {sampler} "
             f"(shuffle, seed {cfg.seed}) and num_workers={cfg.num_workers} (fork); node arm's "
             f"node_workers: {nw}; batch {common.BATCH} × {cfg.resolution}², row {cfg.row} "
             f"({common.ROW_LABEL[cfg.row]}); per rank: first batch, {cfg.warmup_batches} warm-up, "
