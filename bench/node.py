@@ -90,6 +90,7 @@ their workers on a 2-core machine share two cores: compare the ratios inside one
 Usage:
     python bench/node.py [--quick] [--ranks 2,4] [--num-workers 2] [--node-workers N|total]
                          [--arms torch,pool,node] [--same-batches [--arms pool,share]]
+                         (default arms: torch,pool,node; with --same-batches also share)
                          [--batches 20] [--warmup-batches 4]
                          [--row per_sample] [--resolution 576] [--timeout 300] [--out DIR]
 """
@@ -585,7 +586,9 @@ def main(argv=None) -> int:
 
     p = common.parser(NAME, __doc__, reps=(1, 1), warmup_reps=(0, 0))
     p.add_argument("--ranks", default="2,4", help="local rank counts, comma-separated (default 2,4)")
-    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
+    p.add_argument("--arms", default=None,
+                   help=f"comma-separated, of {', '.join(ARMS)} (default: all; without "
+                        f"--same-batches all but {', '.join(SAME_BATCHES_ONLY)})")
     p.add_argument("--num-workers", type=int, default=2, help="each rank's num_workers (default 2)")
     p.add_argument("--node-workers", default=None,
                    help="node_workers= of the node arm: N, or 'total' for ranks × num_workers "
@@ -613,6 +616,8 @@ def main(argv=None) -> int:
         p.error(f"--ranks must be comma-separated integers, got {cfg.ranks!r}")
     if not cfg.ranks_list or min(cfg.ranks_list) < 1:
         p.error(f"--ranks must be positive rank counts, got {cfg.ranks!r}")
+    if cfg.arms is None:
+        cfg.arms = ",".join(a for a in ARMS if cfg.same_batches or a not in SAME_BATCHES_ONLY)
     cfg.arms_list = [a.strip() for a in cfg.arms.split(",") if a.strip()]
     unknown = sorted(set(cfg.arms_list) - set(ARMS))
     if unknown or not cfg.arms_list:
