@@ -1,10 +1,12 @@
 """One pool per node: the local ranks of a torchrun job, each with its own DataLoader,
-its own PoolLoader, or PoolLoader(node_pool=True) (one set of worker processes for the
-node, hosted by local rank 0), side by side in one run.
+its own PoolLoader, PoolLoader(node_pool=True) (one set of worker processes for the
+node, hosted by local rank 0) or PoolLoader(share_batches=every rank) (ranks that draw
+the same batches get each made once), side by side in one run.
 
 The question it answers: with `R` local ranks each asking for `num_workers=2`, how many
-processes does the job run, how much memory does the node hold, and what does sharing
-the workers cost each rank's batches/s, first batch and main thread?
+processes does the job run, how much memory and worker CPU does the node spend, and what
+does sharing the workers (or the batches) cost each rank's batches/s, first batch and
+main thread?
 
 Arms (same data set, same sampler, same collate: `common.RFDETRShaped` /
 `common.RFDETRCollate`, RF-DETR's batch of 16 × 576², row `per_sample` by default):
@@ -14,6 +16,15 @@ Arms (same data set, same sampler, same collate: `common.RFDETRShaped` /
          `--node-workers N` (`total`: ranks × num_workers, the per-rank arms' worker
          count). A tree whose PoolLoader refuses the keyword (TypeError) gives FAILED
          with that error, and the run goes on.
+  share  PoolLoader(num_workers=2, share_batches=list(range(R))): rank 0 (the leader)
+         runs its workers, the other ranks map its slots. Only with `--same-batches`
+         (refused otherwise: share_batches errors at the first batch whose indices differ).
+
+`--same-batches` gives every rank of every arm DistributedSampler(num_replicas=1,
+rank=0) instead of its share of the data: the ranks then consume identical batches, as
+a tensor-parallel group does, and pool (each rank makes them itself) is share's
+baseline. It is an option, not a second pool arm, so that one run's arms all draw the
+same data and the ÷ columns pair like with like; without it the table is what it was.
 
 Method. A cell is a rank count (`--ranks 2,4`). For every cell, arm and repetition
 (`common.interleave`: arms back to back, the order rotated per repetition and cell) the
@@ -21,24 +32,38 @@ driver starts `python -m torch.distributed.run --standalone --nproc_per_node=R
 bench/node.py --rank-child SPEC` in a session of its own, with a deadline (`--timeout`:
 past it every process of the job is killed by pid and the arm is FAILED). Each rank:
   1. joins a gloo process group (its timeout is the deadline too), builds a
-     DistributedSampler(shuffle=True, seed) over the data set and its arm's loader
-     (fork workers, `timeout=` on the loader: a stuck worker raises);
-  2. after a barrier, times iter() to the first batch ("first batch s");
+     DistributedSampler(shuffle=True, seed) over the data set (its own share, or with
+     `--same-batches` everything, as rank 0 of one replica) and its arm's loader (fork
+     workers, `timeout=` on the loader: a stuck worker raises);
+  2. after a barrier, times iter() to the first batch ("first batch s"); barrier, and
+     rank 0 reads the CPU time of the job's worker processes (below), barrier;
   3. draws `--warmup-batches` untimed batches, then `--batches` timed ones, `next()`
      then `del` (the consumer does nothing else): batches/s over that window, and the
      median over batches of the main thread's CPU ms for `next()` + `del`
      (`time.thread_time`: what receiving and releasing a batch costs the training
      thread, not the time it waits);
-  4. barrier (every rank done, every iterator still alive with a full pipeline); rank 0
-     (local rank 0: one node) takes the census: the job's processes are every live
-     (non-zombie) descendant of torchrun, plus every live process in torchrun's session
-     or a rank's session (torchrun starts each rank as a session leader; its workers
-     inherit the session even if reparented), torchrun itself excluded: the ranks, the
-     loaders' workers and any helper a loader starts. "worker processes" is that minus
-     the ranks. "node PSS" sums their Pss (/proc/<pid>/smaps_rollup, read by
-     poolloader.main.memory.read_process): each shared page is divided among the
-     processes that map it, so the sum is what the job holds together (torchrun's own
-     PSS is in the JSON, not in the sum);
+  4. barrier (every rank done, every iterator still alive); rank 0 (local rank 0: one
+     node) reads the workers' CPU again, then takes the census: the job's processes are
+     every live (non-zombie) descendant of torchrun, plus every live process in
+     torchrun's session or a rank's session (torchrun starts each rank as a session
+     leader; its workers inherit the session even if reparented), torchrun itself
+     excluded: the ranks, the loaders' workers and any helper a loader starts. "worker
+     processes" is that minus the ranks. "node PSS" sums their Pss
+     (/proc/<pid>/smaps_rollup, read by poolloader.main.memory.read_process): each
+     shared page is divided among the processes that map it, so the sum is what the job
+     holds together (torchrun's own PSS is in the JSON, not in the sum). "workers' CPU
+     ms per delivered batch" is what the worker processes' CPU time (common.cpu_ns:
+     every live thread's, /proc/<pid>/task/*/schedstat, ns) grew by between the two
+     readings, over the batches every rank delivered in between (R × (warm-up +
+     timed)). Both readings wait, every other rank held in the barrier, until no
+     worker's CPU grows by more than SETTLED_CPU_MS in SETTLE_STEP_S: every pipeline is
+     full and idle, so the batches made in between are the batches asked for in
+     between, one per delivered batch of a rank that makes its own (one per leader's
+     batch under share). The worker processes must be the same at both readings and no
+     thread of theirs may exit in between (else the job FAILS); worker start-up (before
+     the first batch) is outside the window. Filling the pipelines before the warm-up
+     leaves the timed window a fuller pipeline at its start than a run without the
+     reading would;
   5. barrier, shuts its iterator down, barrier, destroy_process_group; writes its
      figures to a file the driver reads.
 After torchrun exits the driver waits (10 s at most) until no process of the job's
@@ -46,21 +71,27 @@ sessions is alive and no /dev/shm name carrying one of the job's pids is left; a
 that leaves either is FAILED (and what it left is killed, by pid).
 
 Reported per rank count and arm: worker processes, job processes, node PSS (and the
-workers' share of it), first batch, batches/s and main-thread CPU ms per batch. The
-per-rank ones are median [min–max] over every rank of every repetition; the others over
-repetitions. Ratio columns pair the arms of one repetition (per-rank metrics: the
-median over ranks), then summarise. Targets (set for 4 ranks; shown for every rank
-count): the node arm's job processes ≤ num_workers + ranks + 1 (7 at 4 ranks, with
-the default node_workers); node PSS ≤ 0.5 × PoolLoader per rank's; batches/s per
-rank ≥ 0.9 × PoolLoader per rank's with the same total worker count (comparable only
-when the node arm runs ranks × num_workers workers: `--node-workers total`).
+workers' share of it), first batch, batches/s, main-thread CPU ms per batch and workers'
+CPU ms per delivered batch. The per-rank ones are median [min–max] over every rank of
+every repetition; the others over repetitions. Ratio columns pair the arms of one
+repetition (per-rank metrics: the median over ranks), then summarise. Targets (set for
+4 ranks; shown for every rank count): the node arm's job processes ≤ num_workers +
+ranks + 1 (7 at 4 ranks, with the default node_workers); node PSS ≤ 0.5 × PoolLoader
+per rank's; batches/s per rank ≥ 0.9 × PoolLoader per rank's with the same total worker
+count (comparable only when the node arm runs ranks × num_workers workers:
+`--node-workers total`); with `--same-batches`, share's workers' CPU per delivered
+batch ≤ 0.3 × pool's (R ranks sharing make each batch once, so about 1/R is expected:
+0.25 at 4 ranks, 0.5 at 2; a worker's CPU per batch made varies by ±25% from job to job
+on a shared 2-core machine, so take repetitions).
 
 Process counts and PSS hardly depend on the machine's load; times do, and R ranks with
 their workers on a 2-core machine share two cores: compare the ratios inside one run.
 
 Usage:
     python bench/node.py [--quick] [--ranks 2,4] [--num-workers 2] [--node-workers N|total]
-                         [--arms torch,pool,node] [--batches 20] [--warmup-batches 4]
+                         [--arms torch,pool,node] [--same-batches [--arms pool,share]]
+                         (default arms: torch,pool,node; with --same-batches also share)
+                         [--batches 20] [--warmup-batches 4]
                          [--row per_sample] [--resolution 576] [--timeout 300] [--out DIR]
 """
 from __future__ import annotations
@@ -79,12 +110,20 @@ NAME = "node"
 HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(HERE))
 MIB = 1 << 20
-ARMS = ("torch", "pool", "node")
+ARMS = ("torch", "pool", "node", "share")
 ARM_LABEL = {"torch": "DataLoader per rank", "pool": "PoolLoader per rank",
-             "node": "PoolLoader node pool"}
+             "node": "PoolLoader node pool", "share": "PoolLoader share_batches"}
+SAME_BATCHES_ONLY = ("share",)  # arms that need every rank's sampler to give the same batches
 PER_RANK = ("first_s", "batch_s", "main_cpu_ms")  # each rank's; the job's: the rest
 ZOMBIE = (b"Z", b"X", b"x")
 CLEAN_WAIT_S = 10.0
+# The workers' CPU is read once their pipelines are full: when no worker's CPU time grows
+# by more than SETTLED_CPU_MS over SETTLE_STEP_S, within SETTLE_TIMEOUT_S. An idle
+# PoolLoader worker takes ~0.75 ms per 0.5 s (its 0.25 s tick: parent alive?, mappings,
+# stall check); a batch here takes a worker 25 ms or more.
+SETTLE_STEP_S = 0.5
+SETTLED_CPU_MS = 2.0
+SETTLE_TIMEOUT_S = 60.0
 
 
 # ---------------------------------------------------------------------------
@@ -164,12 +203,16 @@ def _rank_body(spec: dict, rank: int, world: int, local_rank: int) -> dict:
     from poolloader import PoolLoader
     from poolloader.main.memory import read_process
 
-    arm, workers = spec["arm"], spec["num_workers"]
+    arm, workers, same = spec["arm"], spec["num_workers"], spec["same_batches"]
+    if arm in SAME_BATCHES_ONLY and not same:
+        raise RuntimeError(f"the {arm} arm needs identical samplers on every rank "
+                           "(share_batches checks each batch's indices): pass --same-batches")
     in_flight = 2 * workers + 2  # what a pipeline holds beyond the batches drawn
     per_rank = spec["warmup_batches"] + spec["batches"] + 1 + in_flight
     dataset = common.RFDETRShaped(common.BATCH * world * per_rank, resolution=spec["resolution"])
-    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True,
-                                 seed=spec["seed"])
+    # --same-batches: every rank draws what rank 0 of a one-replica sampler draws
+    sampler = DistributedSampler(dataset, num_replicas=1 if same else world,
+                                 rank=0 if same else rank, shuffle=True, seed=spec["seed"])
     kwargs: dict = dict(batch_size=common.BATCH, sampler=sampler, num_workers=workers,
                         collate_fn=common.RFDETRCollate(spec["row"], pool=arm != "torch"),
                         timeout=spec["loader_timeout"])
@@ -177,6 +220,8 @@ def _rank_body(spec: dict, rank: int, world: int, local_rank: int) -> dict:
         kwargs["node_pool"] = True
         if spec["node_workers"] is not None:
             kwargs["node_workers"] = spec["node_workers"]
+    if arm == "share":
+        kwargs["share_batches"] = list(range(world))
     loader = (DataLoader if arm == "torch" else PoolLoader)(dataset, **kwargs)
     rank_pids: list = [None] * world
     dist.all_gather_object(rank_pids, os.getpid())
@@ -188,6 +233,10 @@ def _rank_body(spec: dict, rank: int, world: int, local_rank: int) -> dict:
         batch = next(it)
         out["first_s"] = time.perf_counter() - t0
         del batch
+        dist.barrier()  # every rank has its first batch: every worker is up
+        if local_rank == 0:
+            cpu0 = _settled_worker_cpu(os.getppid(), rank_pids)
+        dist.barrier()  # the workers' CPU is read: the CPU window opens
         for _ in range(spec["warmup_batches"]):
             batch = next(it)
             del batch
@@ -203,6 +252,9 @@ def _rank_body(spec: dict, rank: int, world: int, local_rank: int) -> dict:
         out["main_cpu_ms"] = statistics.median(cpu_ms)
         dist.barrier()  # every rank is past its timed window, every iterator alive
         if local_rank == 0:
+            cpu1 = _settled_worker_cpu(os.getppid(), rank_pids)
+            delivered = world * (spec["warmup_batches"] + spec["batches"])
+            out.update(_worker_cpu(cpu0, cpu1, delivered))
             out.update(_census(os.getppid(), rank_pids, read_process))
         dist.barrier()  # the census is taken
     finally:
@@ -210,6 +262,46 @@ def _rank_body(spec: dict, rank: int, world: int, local_rank: int) -> dict:
         del it
     dist.barrier()  # every rank has shut its loader down
     return out
+
+
+def _settled_worker_cpu(torchrun: int, rank_pids: list) -> dict:
+    """{pid: CPU ns} of the job's worker processes (the census less the ranks), read
+    once their pipelines are full (see SETTLE_STEP_S); rank 0 calls it while the
+    other ranks wait in a barrier, so no rank asks for a batch meanwhile."""
+    import common
+
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    before = None
+    grew_ms = float("nan")
+    while True:
+        now = {pid: common.cpu_ns(pid) for pid in job_census(torchrun, rank_pids)
+               if pid not in rank_pids}
+        if before is not None and now.keys() == before.keys():
+            grew_ms = max((now[pid] - before[pid]) / 1e6 for pid in now) if now else 0.0
+            if grew_ms <= SETTLED_CPU_MS:
+                return now
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the workers {sorted(now)} did not go idle within "
+                               f"{SETTLE_TIMEOUT_S:.0f} s (SETTLE_TIMEOUT_S) of the ranks' barrier: "
+                               f"one's CPU grew by more than {SETTLED_CPU_MS} ms (SETTLED_CPU_MS) "
+                               f"every {SETTLE_STEP_S} s, {grew_ms:.1f} ms the last time")
+        before = now
+        time.sleep(SETTLE_STEP_S)
+
+
+def _worker_cpu(cpu0: dict, cpu1: dict, delivered: int) -> dict:
+    """The workers' CPU between two settled readings, per batch the ranks delivered."""
+    if cpu0.keys() != cpu1.keys():
+        raise RuntimeError(f"worker processes changed inside the CPU window: started "
+                           f"{sorted(cpu1.keys() - cpu0.keys())}, gone "
+                           f"{sorted(cpu0.keys() - cpu1.keys())}")
+    shrank = sorted(pid for pid in cpu0 if cpu1[pid] < cpu0[pid])
+    if shrank:
+        raise RuntimeError(f"a thread of worker process(es) {shrank} exited inside the CPU "
+                           "window (common.cpu_ns counts live threads only)")
+    total_ms = sum(cpu1[pid] - cpu0[pid] for pid in cpu0) / 1e6
+    return {"worker_cpu_ms": total_ms / delivered, "worker_cpu_s": total_ms / 1e3,
+            "delivered": delivered}
 
 
 def _census(torchrun: int, rank_pids: list, read_process) -> dict:
@@ -288,7 +380,8 @@ def run_job(spec: dict, ranks: int, timeout: float) -> dict:
         shutil.rmtree(tmp, ignore_errors=True)
     job = results[0]
     out = {k: job[k] for k in ("processes", "workers", "pss_mib", "rank_pss_mib",
-                               "worker_pss_mib", "torchrun_pss_mib", "others")}
+                               "worker_pss_mib", "torchrun_pss_mib", "others",
+                               "worker_cpu_ms", "worker_cpu_s", "delivered")}
     ordered = [results[r] for r in sorted(results)]
     for metric in PER_RANK:
         values = [r[metric] for r in ordered]
@@ -368,6 +461,7 @@ ROWS = [  # metric, heading, format
     ("first_s", "first batch s, per rank", ".2f"),
     ("batch_s", "batches/s per rank", ".2f"),
     ("main_cpu_ms", "main-thread CPU ms/batch, per rank", ".2f"),
+    ("worker_cpu_ms", "workers' CPU ms per delivered batch", ".1f"),
 ]
 
 
@@ -375,7 +469,8 @@ def table(raw, cfg) -> str:
     import common
 
     arms = [a for a in ARMS if a in cfg.arms_list]
-    ratios = [(a, b) for a, b in (("node", "pool"), ("pool", "torch")) if a in arms and b in arms]
+    ratios = [(a, b) for a, b in (("node", "pool"), ("share", "pool"), ("pool", "torch"))
+              if a in arms and b in arms]
     out = []
     for cell in raw.cells:
         rows = []
@@ -406,48 +501,73 @@ def _not_measured(raw, cell, *arms) -> str:
 
 
 def targets(raw, cfg) -> list:
-    """[ranks, target, measured, verdict] of the issue's three targets at each rank count."""
+    """[ranks, target, measured, verdict] of the issue's targets at each rank count:
+    the node arm's three against PoolLoader per rank, the share arm's one."""
+    rows = []
+    for ranks in raw.cells:
+        if "node" in cfg.arms_list:
+            rows += _node_targets(raw, cfg, ranks)
+        if "share" in cfg.arms_list and "pool" in cfg.arms_list:
+            rows.append(_share_target(raw, ranks))
+    return rows
+
+
+def _node_targets(raw, cfg, ranks: int) -> list:
     import common
 
     rows = []
-    if "node" not in cfg.arms_list:
+    bound = cfg.num_workers + ranks + 1
+    n = _median(raw, ranks, "node", "processes")
+    pool_n = _median(raw, ranks, "pool", "processes") if "pool" in cfg.arms_list else None
+    text = f"job processes ≤ num_workers + ranks + 1 = {cfg.num_workers} + {ranks} + 1 = {bound}"
+    if n is None:
+        rows.append([ranks, text, "–", _not_measured(raw, ranks, "node")])
+    else:
+        measured = f"{n:.0f}" + (f" (PoolLoader per rank: {pool_n:.0f})" if pool_n is not None else "")
+        verdict = "met" if n <= bound else f"missed by {n - bound:.0f}"
+        given = node_workers_given(cfg, ranks)
+        if given not in (None, cfg.num_workers):
+            verdict += f" (the node arm ran node_workers={given}; the target is for the default)"
+        rows.append([ranks, text, measured, verdict])
+    if "pool" not in cfg.arms_list:
         return rows
-    for ranks in raw.cells:
-        bound = cfg.num_workers + ranks + 1
-        n = _median(raw, ranks, "node", "processes")
-        pool_n = _median(raw, ranks, "pool", "processes") if "pool" in cfg.arms_list else None
-        text = f"job processes ≤ num_workers + ranks + 1 = {cfg.num_workers} + {ranks} + 1 = {bound}"
-        if n is None:
-            rows.append([ranks, text, "–", _not_measured(raw, ranks, "node")])
-        else:
-            measured = f"{n:.0f}" + (f" (PoolLoader per rank: {pool_n:.0f})" if pool_n is not None else "")
-            verdict = "met" if n <= bound else f"missed by {n - bound:.0f}"
-            given = node_workers_given(cfg, ranks)
-            if given not in (None, cfg.num_workers):
-                verdict += f" (the node arm ran node_workers={given}; the target is for the default)"
-            rows.append([ranks, text, measured, verdict])
-        if "pool" not in cfg.arms_list:
-            continue
-        r = common.ratio(raw, ranks, "node", "pool", "pss_mib")
-        text = "node PSS ≤ 0.5 × PoolLoader per rank's"
-        if not r.n:
-            rows.append([ranks, text, "–", _not_measured(raw, ranks, "node", "pool")])
-        else:
-            rows.append([ranks, text, r.fmt(".2f", "×"),
-                         "met" if r.median <= 0.5 else f"missed by {r.median / 0.5:.2f}×"])
-        r = common.ratio(raw, ranks, "node", "pool", "batch_s")
-        text = "batches/s per rank ≥ 0.9 × PoolLoader per rank's, same total worker count"
-        if not r.n:
-            rows.append([ranks, text, "–", _not_measured(raw, ranks, "node", "pool")])
-            continue
-        node_w = _median(raw, ranks, "node", "workers")
-        pool_w = _median(raw, ranks, "pool", "workers")
-        verdict = "met" if r.median >= 0.9 else f"missed by {0.9 / r.median:.2f}×"
-        if node_w != pool_w:
-            verdict = (f"not comparable ({node_w:.0f} worker processes against {pool_w:.0f}: "
-                       f"rerun with --node-workers total); at these counts: {verdict}")
-        rows.append([ranks, text, r.fmt(".2f", "×"), verdict])
+    r = common.ratio(raw, ranks, "node", "pool", "pss_mib")
+    text = "node PSS ≤ 0.5 × PoolLoader per rank's"
+    if not r.n:
+        rows.append([ranks, text, "–", _not_measured(raw, ranks, "node", "pool")])
+    else:
+        rows.append([ranks, text, r.fmt(".2f", "×"),
+                     "met" if r.median <= 0.5 else f"missed by {r.median / 0.5:.2f}×"])
+    r = common.ratio(raw, ranks, "node", "pool", "batch_s")
+    text = "batches/s per rank ≥ 0.9 × PoolLoader per rank's, same total worker count"
+    if not r.n:
+        rows.append([ranks, text, "–", _not_measured(raw, ranks, "node", "pool")])
+        return rows
+    node_w = _median(raw, ranks, "node", "workers")
+    pool_w = _median(raw, ranks, "pool", "workers")
+    verdict = "met" if r.median >= 0.9 else f"missed by {0.9 / r.median:.2f}×"
+    if node_w != pool_w:
+        verdict = (f"not comparable ({node_w:.0f} worker processes against {pool_w:.0f}: "
+                   f"rerun with --node-workers total); at these counts: {verdict}")
+    rows.append([ranks, text, r.fmt(".2f", "×"), verdict])
     return rows
+
+
+def _share_target(raw, ranks: int) -> list:
+    """share_batches over every rank: the workers' CPU per delivered batch ≤ 0.3 × what
+    PoolLoader per rank spends, both arms drawing the same batches on every rank."""
+    import common
+
+    r = common.ratio(raw, ranks, "share", "pool", "worker_cpu_ms")
+    text = ("workers' CPU ms per delivered batch ≤ 0.3 × PoolLoader per rank's, "
+            "every rank the same batches")
+    if not r.n:
+        return [ranks, text, "–", _not_measured(raw, ranks, "share", "pool")]
+    verdict = "met" if r.median <= 0.3 else f"missed by {r.median / 0.3:.2f}×"
+    if ranks != 4:
+        verdict += (f" (set for 4 ranks; {ranks} ranks sharing make each batch once, "
+                    f"so about 1/{ranks} = {1 / ranks:.2f} is expected)")
+    return [ranks, text, r.fmt(".2f", "×"), verdict]
 
 
 # ---------------------------------------------------------------------------
@@ -466,7 +586,9 @@ def main(argv=None) -> int:
 
     p = common.parser(NAME, __doc__, reps=(1, 1), warmup_reps=(0, 0))
     p.add_argument("--ranks", default="2,4", help="local rank counts, comma-separated (default 2,4)")
-    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
+    p.add_argument("--arms", default=None,
+                   help=f"comma-separated, of {', '.join(ARMS)} (default: all; without "
+                        f"--same-batches all but {', '.join(SAME_BATCHES_ONLY)})")
     p.add_argument("--num-workers", type=int, default=2, help="each rank's num_workers (default 2)")
     p.add_argument("--node-workers", default=None,
                    help="node_workers= of the node arm: N, or 'total' for ranks × num_workers "
@@ -480,6 +602,9 @@ def main(argv=None) -> int:
     p.add_argument("--resolution", type=int, default=common.RESOLUTION,
                    help=f"image side (default {common.RESOLUTION})")
     p.add_argument("--seed", type=int, default=0, help="DistributedSampler's seed")
+    p.add_argument("--same-batches", action="store_true",
+                   help="every rank's sampler gives the same batches (DistributedSampler("
+                        "num_replicas=1, rank=0)), for every arm; the share arm needs it")
     p.add_argument("--loader-timeout", type=float, default=120.0,
                    help="the loaders' timeout= in seconds (default 120)")
     p.add_argument("--timeout", type=float, default=300.0,
@@ -491,10 +616,16 @@ def main(argv=None) -> int:
         p.error(f"--ranks must be comma-separated integers, got {cfg.ranks!r}")
     if not cfg.ranks_list or min(cfg.ranks_list) < 1:
         p.error(f"--ranks must be positive rank counts, got {cfg.ranks!r}")
+    if cfg.arms is None:
+        cfg.arms = ",".join(a for a in ARMS if cfg.same_batches or a not in SAME_BATCHES_ONLY)
     cfg.arms_list = [a.strip() for a in cfg.arms.split(",") if a.strip()]
     unknown = sorted(set(cfg.arms_list) - set(ARMS))
     if unknown or not cfg.arms_list:
         p.error(f"--arms {cfg.arms!r}: choose from {', '.join(ARMS)}")
+    needs = [a for a in cfg.arms_list if a in SAME_BATCHES_ONLY]
+    if needs and not cfg.same_batches:
+        p.error(f"--arms {','.join(needs)} needs --same-batches (share_batches= ranks must "
+                "draw identical batches; compare it with pool under the same samplers)")
     if cfg.num_workers < 1:
         p.error(f"--num-workers must be >= 1 (the bench compares worker processes), got {cfg.num_workers}")
     if cfg.row not in common.ROW_LABEL:
@@ -521,17 +652,23 @@ def main(argv=None) -> int:
                 "node_workers": node_workers_given(cfg, ranks) if arm == "node" else None,
                 "resolution": cfg.resolution, "batches": cfg.batches,
                 "warmup_batches": cfg.warmup_batches, "seed": cfg.seed + max(rep, 0),
+                "same_batches": cfg.same_batches,
                 "loader_timeout": cfg.loader_timeout, "timeout": cfg.timeout}
         return run_job(spec, ranks, cfg.timeout)
 
     raw = common.interleave(cfg.ranks_list, cfg.arms_list, measure, reps=cfg.reps,
                             warmup_reps=cfg.warmup_reps, label=NAME, stagger=True,
                             show=lambda m: (f"{m['processes']} processes, {m['pss_mib']:.0f} MiB PSS, "
-                                            f"{m['batch_s']:.2f} batches/s per rank (median)"))
+                                            f"{m['batch_s']:.2f} batches/s per rank (median), "
+                                            f"workers {m['worker_cpu_ms']:.1f} CPU ms/batch"))
     nw = ("not given (num_workers)" if cfg.node_workers is None else
           "ranks × num_workers" if cfg.node_workers == "total" else str(cfg.node_workers))
-    head = (f"## One pool per node (bench/node.py{' --quick' if cfg.quick else ''})\n\n"
-            f"torchrun --standalone, gloo on CPU, one node; each rank a DistributedSampler "
+    flags = "".join(f" {f}" for f, on in (("--quick", cfg.quick), ("--same-batches", cfg.same_batches))
+                    if on)
+    sampler = ("DistributedSampler(num_replicas=1, rank=0): every rank the same batches"
+               if cfg.same_batches else "DistributedSampler over the ranks")
+    head = (f"## One pool per node (bench/node.py{flags})\n\n"
+            f"torchrun --standalone, gloo on CPU, one node; each rank a {sampler} "
             f"(shuffle, seed {cfg.seed}) and num_workers={cfg.num_workers} (fork); node arm's "
             f"node_workers: {nw}; batch {common.BATCH} × {cfg.resolution}², row {cfg.row} "
             f"({common.ROW_LABEL[cfg.row]}); per rank: first batch, {cfg.warmup_batches} warm-up, "
@@ -543,9 +680,14 @@ def main(argv=None) -> int:
             "over repetitions. ÷ columns: per-repetition ratios between arms run side by side "
             "(per-rank metrics: each job's median over its ranks). Job processes: torchrun's "
             "live descendants and the members of its and its ranks' sessions, torchrun "
-            "excluded; node PSS: their smaps_rollup Pss summed. Process counts and PSS hardly "
-            "depend on load; times on a shared 2-core machine do.\n\n")
-    metrics = [m for m, _, _ in ROWS] + ["rank_pss_mib", "torchrun_pss_mib", "first_s_max"]
+            "excluded; node PSS: their smaps_rollup Pss summed. Workers' CPU: the CPU time of "
+            "the job's processes other than the ranks between two readings taken with full "
+            "pipelines (after the first batch, after the timed batches), over every batch "
+            f"the ranks delivered between them ({cfg.warmup_batches} + {cfg.batches} per rank). "
+            "Process counts and PSS hardly depend on load; times on a shared 2-core machine "
+            "do.\n\n")
+    metrics = [m for m, _, _ in ROWS] + ["rank_pss_mib", "torchrun_pss_mib", "first_s_max",
+                                         "worker_cpu_s"]
     common.write_outputs(cfg, head + table(raw, cfg),
                          {"raw": raw.as_json(), "summaries": common.summaries(raw, metrics, "pool"
                                                                               if "pool" in cfg.arms_list
