@@ -35,9 +35,12 @@ sampler; rank 2 another, not in the group):
         batch_size differs): records the error, and where it came.
   share_follower_killed  rank 1 takes two batches and SIGKILLs itself; rank 0 goes on.
   share_leader_killed  both take a batch; rank 0 SIGKILLs itself; rank 1 records the error.
+  share_restart  both ranks leave an epoch after one batch for a new iterator, and drop
+        the old one after the new one began: the new epoch must be DataLoader's.
   share_nodes  4 ranks on 2 simulated nodes (GROUP_RANK 0 and 1), all in one group with
         the same sampler: records whether each got its DataLoader's batches, and its role.
 """
+import gc
 import json
 import os
 import random
@@ -369,6 +372,21 @@ def main() -> dict:
             error, took = drain(it)
             return {"error": error, "took": took}
         return {}
+    if CASE == "share_restart":
+        # an epoch left after one batch for a new iterator, the old one dropped after
+        # the new one began: the old one's teardown must not end the new epoch
+        def restarted(cls, **kw):
+            made, _ = shared_loader(cls, "restart", **kw)
+            first = iter(made)
+            next(first)
+            second = iter(made)
+            del first
+            gc.collect()
+            return [[t.clone() for t in b] for b in second]
+        expected = restarted(DataLoader)
+        got = restarted(PoolLoader, share_batches=SHARE_GROUP)
+        meet("done")
+        return {"equal": same([expected], [got]), "batches": len(got)}
     if CASE == "share_nodes":
         def one(cls, phase, **kw):
             dataset = Counted(phase)

@@ -82,8 +82,16 @@ def test_a_follower_whose_loader_differs_is_refused_at_construction(tmp_path):
     follower, leader = results[1]["error"], results[0]["error"]
     assert follower is not None and follower.startswith("constructor: "), logs
     assert "batch_size: 5 here, 4 on rank 0" in follower, follower
-    # the leader's first batch says so at once, not after the rendezvous timeout
+    # the leader's first batch says so at once, not after the rendezvous timeout, in
+    # its own words ("here": its value)
     assert leader is not None and "refused a rank of its group" in leader, logs
+    assert "batch_size: 4 here, 5 on rank 1" in leader, leader
+
+
+def test_an_iterator_dropped_after_the_next_one_began_ends_nothing(tmp_path):
+    results, codes, logs = _ranks(tmp_path, "share_restart", 2)
+    assert codes == [0, 0], logs
+    assert all(r["equal"] and r["batches"] == 6 for r in results), (results, logs)
 
 
 def test_a_killed_follower_is_dropped_and_the_leader_goes_on(tmp_path):

@@ -94,6 +94,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         # PoolLoader(share_batches=) on the group's leader: every delivered slot is
         # handed to the followers too (poolloader.main.share)
         self._share = getattr(loader, "_share", None)
+        self._share_epoch = 0  # the share's epoch this iterator is in (begin_epoch)
         # set below; None only while __init__ has not made them (a failed start)
         self._pool: SlotPool = None  # type: ignore[assignment]
         self._ledger: SlotLedger = None  # type: ignore[assignment]
@@ -235,8 +236,8 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
             raise RuntimeError(self._dead_message())
         self._resume.begin_epoch()  # before the sampler's iterator draws anything
         if self._share is not None:
-            self._share.end_epoch()  # the previous one, if it was left early
-            self._share.begin_epoch(self._ledger)
+            self._share.end_epoch(self._share_epoch)  # the previous one, if left early
+            self._share_epoch = self._share.begin_epoch(self._ledger)
         _BaseDataLoaderIter._reset(self, loader, first_iter)
         if self._stager is not None:
             self._stager.reset()  # a staged batch's slot cools behind its copy event
@@ -515,7 +516,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                 self._rcvd_idx += 1
             else:
                 if self._share is not None:
-                    self._share.end_epoch()
+                    self._share.end_epoch(self._share_epoch)
                 if not self._persistent_workers:
                     self._ended = True
                     self._shutdown_workers()
@@ -574,7 +575,8 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         self._resume.received(worker, fmt.reply_seq(header), self._reply_record(slot), error)
         if self._share is not None:
             try:  # the followers' holds are counted before the decode's lease can die
-                self._share.publish(self._pool, slot, self._sent_indices.get(slot))
+                self._share.publish(self._share_epoch, self._pool, slot,
+                                    self._sent_indices.get(slot))
             except BaseException as e:
                 self._fail(e)
                 raise
@@ -602,13 +604,13 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
     def _fail(self, error: BaseException) -> None:
         self._fatal = f"{type(error).__name__}: {error}"
         if self._share is not None:
-            self._share.fail(self._fatal)
+            self._share.fail(self._share_epoch, self._fatal)
         self._shutdown_workers()
 
     # The teardown steps, in order (methods below).
     _TEARDOWN = ("_note_memory", "_close_requests", "_stop_workers", "_close_shared_start",
-                 "_close_replies", "_close_stager", "_close_ledger", "_detach_stats",
-                 "_close_pool", "_untrack", "_leave_node", "_end_share")
+                 "_close_replies", "_close_stager", "_end_share", "_close_ledger",
+                 "_detach_stats", "_close_pool", "_untrack", "_leave_node")
 
     def _shutdown_workers(self) -> None:
         """The one place that stops everything, in order: close the request rings
@@ -690,7 +692,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         share, self._share = self._share, None
         if share is not None:
             try:
-                share.end_epoch()  # a follower still in this epoch is told, not left waiting
+                share.end_epoch(self._share_epoch)  # a follower in it is told, not left waiting
             finally:
                 share.release()
 

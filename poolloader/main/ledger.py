@@ -48,6 +48,10 @@ GROWTH_FACTOR = 1.25
 # Slots beyond num_workers * prefetch_factor for batches the consumer holds.
 SPARE_SLOTS = 2
 
+# A share_batches hold that is never given back (SlotLedger.share_abandon).
+_NEVER = 1 << 62
+
+
 def default_slots(num_workers: int, prefetch_factor: int) -> int:
     return num_workers * prefetch_factor + SPARE_SLOTS
 
@@ -194,8 +198,6 @@ class SlotLedger:
             self._take_ready(gate.wait_any(COOL_TIMEOUT_S))
             if self.free:
                 return self.free.pop()
-        if self.leases:
-            return self._detach_oldest()
         if self.parked:  # only followers hold it: their mappings keep the segment
             slot = self.parked.pop()
             self._unshare(slot)
@@ -203,6 +205,8 @@ class SlotLedger:
             self._retire(self.pool.detach(slot))
             self.stats.detaches += 1
             return slot
+        if self.leases:
+            return self._detach_oldest()
         if gate is not None and gate.pending:
             raise RuntimeError(
                 f"PoolLoader: all {self.pool.num_slots} slots wait for CUDA copies that have "
@@ -261,6 +265,15 @@ class SlotLedger:
         if slot in self.parked:
             self.parked.discard(slot)
             self._free_viewed(slot)
+
+    def share_abandon(self, slot: int, generation: int) -> None:
+        """A follower may read that slot's segment from now on without saying when it
+        stops (it left with a batch still viewed, or a child it forked inherited the
+        mapping): the slot never comes back FREE with that segment; it is detached
+        when a slot is needed (_reclaim: parked first)."""
+        entry = self.shared.get(slot)
+        if entry is not None and entry[0] == generation:
+            entry[1] = _NEVER
 
     def _unshare(self, slot: int) -> None:
         self.shared.pop(slot, None)

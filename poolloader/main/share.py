@@ -58,7 +58,8 @@ from poolloader.wire import slot_format as fmt
 # hold when it takes a slot (the one each consumes and the one whose release rides
 # with its next next()).
 SHARE_SLACK = 2
-_ordinal = itertools.count()  # share_batches loaders built in this process
+# share_batches loaders built in this process, per group on this node (its ranks here)
+_ordinals: dict[tuple[int, ...], itertools.count] = {}
 _MAX_MESSAGE = 1 << 20  # a batch's indices, pickled, must fit: checked when sent
 # How long the leader's send to a follower may wait for room (a follower that stopped
 # taking its batches while the leader went on for thousands): then an error.
@@ -204,14 +205,16 @@ class ShareLeader(node.Users):
                     raise ConnectionError("not a local rank of this job")
                 conn.settimeout(30.0)
                 hello = pickle.loads(conn.recv(_MAX_MESSAGE))
-                difference = node.first_difference(hello["fingerprint"], self._mine)
-                rank = hello["rank"]
+                theirs, rank = hello["fingerprint"], hello["rank"]
+                difference = node.first_difference(theirs, self._mine)
                 if rank not in self.expected or any(f.rank == rank for f in self._followers):
                     difference = f"rank {rank} is not an expected follower {self.expected}"
                 if difference is not None:
-                    difference = difference.replace("local rank 0", f"rank {self.rank}")
-                    self._refused.append(f"rank {rank}: {difference}")
-                    conn.send(_pack(("refused", difference)))
+                    # the follower's words are its own ("here": its value)
+                    mine = node.first_difference(self._mine, theirs) or difference
+                    self._refused.append(f"rank {rank}: {mine.replace('local rank 0', f'rank {rank}')}")
+                    conn.send(_pack(("refused", difference.replace("local rank 0",
+                                                                   f"rank {self.rank}"))))
                     node.close_socket(conn)
                     continue
                 conn.send(_pack(("welcome",)))
@@ -222,6 +225,8 @@ class ShareLeader(node.Users):
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
                                 struct.pack("ll", SEND_TIMEOUT_S, 0))
                 with self._lock:
+                    if self._closed:
+                        raise ConnectionError("closed meanwhile")
                     self._followers.append(_Follower(conn, rank, _peer_pid(conn)))
             except Exception:
                 node.close_socket(conn)
@@ -255,9 +260,15 @@ class ShareLeader(node.Users):
         self._ended = False
         return self._epoch
 
-    def publish(self, pool, slot: int, index) -> None:
-        """Hand `slot` (delivered now by the leader) to every follower; the ledger keeps
-        the slot until each has dropped it. Before the leader decodes it."""
+    def publish(self, epoch: int, pool, slot: int, index) -> None:
+        """Hand `slot` (delivered now by the leader in its `epoch`, begin_epoch's) to
+        every follower; the ledger keeps the slot until each has dropped it. Before the
+        leader decodes it."""
+        if epoch != self._epoch:
+            raise RuntimeError(
+                f"PoolLoader(share_batches=...): rank {self.rank} iterates this loader "
+                "with two iterators at once (an older one resumed after a newer one began "
+                "its epoch); a share_batches loader has one live iterator: drop the old one")
         if self._n == 0:
             self._wait_joined()
         self.collect()
@@ -287,14 +298,16 @@ class ShareLeader(node.Users):
             f.held[key] += 1
             self.ledger.share_out(slot, generation)
 
-    def end_epoch(self) -> None:
-        """The leader's epoch ended (or its iterator stopped): once per epoch."""
-        if not self._ended:
+    def end_epoch(self, epoch: int) -> None:
+        """The leader's `epoch` ended (or its iterator stopped): once, and only while
+        it is the current one (a stale iterator's teardown ends nothing)."""
+        if epoch == self._epoch and not self._ended:
             self._ended = True
             self._broadcast(("end", self._epoch, self._n))
 
-    def fail(self, why: str) -> None:
-        self._broadcast(("failed", why))
+    def fail(self, epoch: int, why: str) -> None:
+        if epoch == self._epoch:
+            self._broadcast(("failed", why))
 
     def _broadcast(self, message) -> None:
         body = _pack(message)
@@ -317,11 +330,14 @@ class ShareLeader(node.Users):
                 if not data:
                     self._gone(f)
                     break
-                for key in pickle.loads(data)[1]:
+                for key, forked in pickle.loads(data)[1]:
                     key = tuple(key)
                     if f.held[key] > 0:  # else a stale pool's, or no batch it had
                         f.held[key] -= 1
-                        self.ledger.share_back(key[1], key[2])
+                        if forked:  # a child of the follower may still read it
+                            self.ledger.share_abandon(key[1], key[2])
+                        else:
+                            self.ledger.share_back(key[1], key[2])
 
     def _gone(self, f: _Follower) -> None:
         with self._lock:
@@ -330,20 +346,24 @@ class ShareLeader(node.Users):
             self._followers.remove(f)
         node.close_socket(f.sock)
         if self.ledger is not None:
+            # its batches may outlive its socket (a batch still viewed after its loader
+            # was collected): what it held is never rewritten, only detached
             for (_pool, slot, generation), count in f.held.items():
-                for _ in range(count):
-                    self.ledger.share_back(slot, generation)
+                if count > 0:
+                    self.ledger.share_abandon(slot, generation)
         if not self._closed:
             warn(f"PoolLoader(share_batches=...): rank {f.rank} (pid {f.pid}), which shared "
                  f"rank {self.rank}'s batches, left (exited or closed its loader); what it held "
                  "was taken back, and this rank goes on without it")
 
     def close(self) -> None:
-        self._closed = True
         with self._lock:
+            self._closed = True
             followers, self._followers = self._followers, []
         for f in followers:
             node.close_socket(f.sock)
+        if self._thread is not threading.current_thread():
+            self._thread.join(1.0)  # it polls every 0.25 s
         node.close_socket(self._listener)
 
 
@@ -411,7 +431,10 @@ class ShareFollower(node.Users):
         while self._released:
             key = self.leases.pop(self._released.popleft(), None)
             if key is not None:
-                keys.append(key)
+                have = self._maps.get((key[0], key[1]))
+                # a child forked while the batch was held inherited the mapping
+                # (poolloader.shm.fork): the leader must never rewrite that segment
+                keys.append((key, have is not None and have[0] == key[2] and have[1].forked))
         if keys:
             try:
                 self._sock.send(_pack(("released", keys)))
@@ -436,7 +459,10 @@ class ShareFollower(node.Users):
                 raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds "
                                    f"(waiting for rank {self.leader}'s shared batch)")
         try:
-            data, fds, _flags, _addr = socket.recv_fds(sock, _MAX_MESSAGE, 1)
+            with fork.creating():  # a fork from another thread never inherits these
+                data, fds, _flags, _addr = socket.recv_fds(sock, _MAX_MESSAGE, 1)
+                for fd in fds:
+                    fork.hold(fd)
         except OSError:
             data, fds = b"", []
         if not data:
@@ -464,7 +490,7 @@ class ShareFollower(node.Users):
                         self._maps[(pool_id, slot)] = (generation, Mapping(fds[0], size, True))
                     finally:
                         for fd in fds:
-                            os.close(fd)
+                            fork.release(fd)
                 if their_epoch < epoch:  # an epoch this rank left early: not consumed
                     self._send_back(key)
                     continue
@@ -498,7 +524,7 @@ class ShareFollower(node.Users):
 
     def _send_back(self, key) -> None:
         try:
-            self._sock.send(_pack(("released", [key])))  # type: ignore[union-attr]
+            self._sock.send(_pack(("released", [(key, False)])))  # type: ignore[union-attr]
         except OSError:
             pass
 
@@ -557,7 +583,8 @@ def join(loader, share_batches) -> ShareLeader | ShareFollower | None:
     check(loader)
     os.environ[node.RANK_PID_ENV] = str(os.getpid())  # this process's children are not ranks
     leader, rank, followers, run_key = found
-    address = _address(run_key, leader, next(_ordinal))
+    here = (leader, *followers)
+    address = _address(run_key, leader, next(_ordinals.setdefault(here, itertools.count())))
     timeout = node.rendezvous_timeout()
     side: ShareLeader | ShareFollower
     if rank == leader:
