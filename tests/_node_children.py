@@ -59,6 +59,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import proc  # noqa: E402  (tests/proc.py: the process table)
 
+# as conftest.py sets it for the suite (the process-tree checks of the parity cases then
+# do not hold: forkserver's workers are its children, not the rank's; the data checks do)
+if os.environ.get("POOLLOADER_TEST_START_METHOD"):
+    torch.multiprocessing.set_start_method(os.environ["POOLLOADER_TEST_START_METHOD"], force=True)
 CASE, OUT = sys.argv[1], sys.argv[2]
 ARG = sys.argv[3] if len(sys.argv) > 3 else ""
 RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # global (one node: local)
