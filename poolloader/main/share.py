@@ -353,8 +353,8 @@ class ShareLeader(node.Users):
                     self.ledger.share_abandon(slot, generation)
         if not self._closed:
             warn(f"PoolLoader(share_batches=...): rank {f.rank} (pid {f.pid}), which shared "
-                 f"rank {self.rank}'s batches, left (exited or closed its loader); what it held "
-                 "was taken back, and this rank goes on without it")
+                 f"rank {self.rank}'s batches, left (exited or closed its loader); this rank "
+                 "goes on without it (the slots it held get new segments when needed)")
 
     def close(self) -> None:
         with self._lock:
