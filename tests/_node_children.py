@@ -40,6 +40,8 @@ sampler; rank 2 another, not in the group):
   share_nodes  4 ranks on 2 simulated nodes (GROUP_RANK 0 and 1), all in one group with
         the same sampler: records whether each got its DataLoader's batches, and its role.
 """
+from __future__ import annotations
+
 import gc
 import json
 import os
