@@ -201,8 +201,7 @@ class SlotLedger:
         if self.parked:  # only followers hold it: their mappings keep the segment
             slot = self.parked.pop()
             self._unshare(slot)
-            self._headers.pop(slot, None)
-            self._retire(self.pool.detach(slot))
+            self._renew(slot)
             self.stats.detaches += 1
             return slot
         if self.leases:
@@ -241,10 +240,14 @@ class SlotLedger:
         """The last view of a delivered slot died: FREE again."""
         mapping = self.pool.mappings[slot]
         if mapping is not None and mapping.forked:
-            # a forked child may still read it: never rewrite, give the slot a new segment
-            self._headers.pop(slot, None)
-            self._retire(self.pool.detach(slot))
+            self._renew(slot)  # a forked child may still read it: never rewrite it
         self.give_back(slot)
+
+    def _renew(self, slot: int) -> None:
+        """Another process may still read `slot`'s segment: it leaves the pool (retired
+        here, kept by whoever maps it) and the slot is refilled with a new one when taken."""
+        self._headers.pop(slot, None)
+        self._retire(self.pool.detach(slot))
 
     # -- share_batches: the followers' holds (poolloader.main.share) --------------------
     def share_out(self, slot: int, generation: int) -> None:
