@@ -97,8 +97,10 @@ class PoolLoader(DataLoader[T_co]):
                   share one set of node_workers processes (default num_workers),
                   hosted by local rank 0; each rank keeps its own sampler, order,
                   pool, resume state, and gets bit for bit its own DataLoader's
-                  batches (docs/node.md). Without torchrun (or with one local
-                  rank) an ordinary loader. None (default): the POOLLOADER_NODE_POOL
+                  batches (docs/node.md). Without torchrun, the node is found
+                  through an initialised torch.distributed (mp.spawn: every rank
+                  must build the loader). Neither, or one rank on the node: an
+                  ordinary loader. None (default): the POOLLOADER_NODE_POOL
                   environment variable (1 or 0; unset: False).
       share_batches  a list of global ranks (or a torch.distributed ProcessGroup)
                   whose loaders consume identical batches (same dataset and

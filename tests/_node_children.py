@@ -1,7 +1,8 @@
 """One local rank of test_node_pool.py: `python _node_children.py CASE OUT_DIR [ARG]`.
 
 Environment: LOCAL_RANK, LOCAL_WORLD_SIZE and TORCHELASTIC_RUN_ID, as torchrun sets
-them (the test sets them; no process group is needed: each rank's DistributedSampler
+them; or, under POOLLOADER_TEST_DIST, none of them and an initialised torch.distributed,
+as mp.spawn starts ranks (the test sets them; no process group is needed: each rank's DistributedSampler
 is given its rank). Ranks meet through files in OUT_DIR (`meet`), bounded. Each rank
 writes OUT_DIR/rank<R>.json and exits 0; an exception exits 1 with its traceback.
 
@@ -14,6 +15,8 @@ Cases:
         pool iterates.
   iterable  an IterableDataset that shards by get_worker_info() and rank.
   mismatch  rank 1 builds its loader with batch_size 5: records the error.
+  dist_alone  (under POOLLOADER_TEST_DIST) rank 1 builds no loader; rank 0 records the
+        error its node-pool loader's construction raised, and how long it took.
   resume  three batches, state_dict(), a second node-pool loader resumes from it: the
         epoch must equal DataLoader's.
   rank_killed  rank 1 takes two batches, records its pool's memfd inodes, and
@@ -67,7 +70,12 @@ if os.environ.get("POOLLOADER_TEST_START_METHOD"):
     torch.multiprocessing.set_start_method(os.environ["POOLLOADER_TEST_START_METHOD"], force=True)
 CASE, OUT = sys.argv[1], sys.argv[2]
 ARG = sys.argv[3] if len(sys.argv) > 3 else ""
-RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # global (one node: local)
+# global ranks (one node: local). Under POOLLOADER_TEST_DIST (a FileStore path) a rank
+# is started as mp.spawn starts one: no torchrun variable, not even RANK; it initialises
+# torch.distributed (gloo) itself, and the loaders find their node through it.
+DIST = os.environ.get("POOLLOADER_TEST_DIST")
+RANK = int(os.environ["POOLLOADER_TEST_RANK" if DIST else "RANK"])
+WORLD = int(os.environ["POOLLOADER_TEST_WORLD" if DIST else "WORLD_SIZE"])
 N_SAMPLES, BATCH, WORKERS = 48, 4, 2
 FAULT_SAMPLES = 800  # 100 batches a rank: a death always comes before the epoch ends
 MEET_S = 60.0
@@ -243,6 +251,16 @@ def main() -> dict:
         meet("done")  # rank 0's loader lives until then: it hosts while it lives
         del kept
         return {"error": error}
+    if CASE == "dist_alone":  # rank 1 builds no loader at all
+        error, took = None, None
+        if RANK == 0:
+            start = time.monotonic()
+            try:
+                loader(PoolLoader, node_pool=True)
+            except RuntimeError as e:
+                error, took = str(e), time.monotonic() - start
+        meet("done")
+        return {"error": error, "took": took}
     if CASE == "resume":
         expected = epochs(loader(DataLoader), n=1)[0]
         first, _ = loader(PoolLoader, node_pool=True)
@@ -307,7 +325,8 @@ def main() -> dict:
         torch.manual_seed(0)
         expected = epochs(shared_loader(DataLoader, "torch", persistent))
         torch.manual_seed(0)
-        pool, sampler = shared_loader(PoolLoader, "pool", persistent, share_batches=SHARE_GROUP,
+        group = torch.distributed.new_group(SHARE_GROUP) if DIST else SHARE_GROUP
+        pool, sampler = shared_loader(PoolLoader, "pool", persistent, share_batches=group,
                                       node_pool=node_pool)
         seen: dict = {"inodes": []}
 
@@ -438,6 +457,9 @@ def read_pid(rank: int) -> int:
 
 if __name__ == "__main__":
     note("pid", os.getpid())
+    if DIST:
+        torch.distributed.init_process_group("gloo", init_method=f"file://{DIST}", rank=RANK,
+                                             world_size=WORLD)
     try:
         result = main()
     except BaseException:

@@ -27,9 +27,18 @@ CHILD = os.path.join(HERE, "_node_children.py")
 DEADLINE_S = 90.0
 
 
-def _ranks(tmp_path, case: str, world: int, arg: str = "", env=None, nodes: int = 1) -> list:
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "WORLD_SIZE",
+                      "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "ROLE_NAME",
+                      "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "MASTER_ADDR",
+                      "MASTER_PORT")
+
+
+def _ranks(tmp_path, case: str, world: int, arg: str = "", env=None, nodes: int = 1,
+           dist: bool = False) -> list:
     """Run `case` on `world` ranks (on `nodes` simulated nodes: GROUP_RANK, each with
-    world / nodes local ranks); [rank's JSON, or None if it wrote none]."""
+    world / nodes local ranks); with `dist`, as mp.spawn starts them: no torchrun
+    variable, and each rank initialises torch.distributed (gloo, a FileStore in
+    tmp_path). [rank's JSON, or None if it wrote none]."""
     run_id = f"pltest-{uuid.uuid4().hex[:12]}"
     procs, logs = [], []
     per_node = world // nodes
@@ -41,6 +50,11 @@ def _ranks(tmp_path, case: str, world: int, arg: str = "", env=None, nodes: int 
                              TORCHELASTIC_RUN_ID=run_id, **(env or {}),
                              PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(HERE),
                                                          os.environ.get("PYTHONPATH", "")]))
+            if dist:
+                for name in TORCHRUN_VARIABLES:
+                    child_env.pop(name, None)
+                child_env.update(POOLLOADER_TEST_DIST=str(tmp_path / "store"),
+                                 POOLLOADER_TEST_RANK=str(rank), POOLLOADER_TEST_WORLD=str(world))
             log = open(tmp_path / f"rank{rank}.log", "w+")
             logs.append(log)
             procs.append(subprocess.Popen([sys.executable, CHILD, case, str(tmp_path), arg],
@@ -68,10 +82,13 @@ def _ranks(tmp_path, case: str, world: int, arg: str = "", env=None, nodes: int 
     return out, [p.returncode for p in procs], "\n".join(texts)
 
 
-@pytest.mark.parametrize("world, persistent", [(2, "1"), (3, "0")])
+@pytest.mark.parametrize("world, persistent, dist", [(2, "1", False), (3, "0", False),
+                                                     (2, "0", True)])
 def test_each_rank_gets_its_own_dataloaders_batches_from_the_nodes_processes(tmp_path, world,
-                                                                              persistent):
-    results, codes, logs = _ranks(tmp_path, "parity", world, persistent)
+                                                                              persistent, dist):
+    """dist: ranks started as mp.spawn starts them, with no torchrun variable: the node
+    is found through the initialised torch.distributed's store."""
+    results, codes, logs = _ranks(tmp_path, "parity", world, persistent, dist=dist)
     assert codes == [0] * world, logs
     host = results[0]
     for rank, r in enumerate(results):
@@ -104,6 +121,18 @@ def test_a_rank_whose_loader_differs_is_told_what_differs(tmp_path):
     error = results[1]["error"]
     assert error is not None and "batch_size: 5 here, 4 on local rank 0" in error, logs
     assert "node_pool=False" in error
+
+
+def test_through_torch_distributed_a_rank_that_builds_no_loader_is_named(tmp_path):
+    """Started as mp.spawn starts them, every rank of the world must build its node-pool
+    loader (its node is found through the store): a rank that does not is named, after
+    the rendezvous timeout, not a hang."""
+    results, codes, logs = _ranks(tmp_path, "dist_alone", 2, dist=True,
+                                  env={"POOLLOADER_NODE_TIMEOUT": "2"})
+    assert codes == [0, 0], logs
+    error = results[0]["error"]
+    assert error is not None and "ranks [1] did not" in error, logs
+    assert "POOLLOADER_NODE_TIMEOUT" in error and 2 <= results[0]["took"] < 20, results
 
 
 def test_a_killed_rank_is_dropped_and_the_others_go_on(tmp_path):

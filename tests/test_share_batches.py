@@ -24,11 +24,13 @@ def _calls(tmp_path, phase: str) -> dict[int, int]:
             for p in glob.glob(str(tmp_path / f"calls.{phase}.*"))}
 
 
-@pytest.mark.parametrize("arg", ["1", "0node"])
+@pytest.mark.parametrize("arg", ["1", "0node", "1dist"])
 def test_a_group_gets_its_dataloaders_batches_made_once_from_the_same_pages(tmp_path, arg):
-    """Persistent workers or not; and with node_pool=True (the node's 2 processes,
-    local rank 0's children, make the leader's and rank 2's batches)."""
-    results, codes, logs = _ranks(tmp_path, "share", 3, arg)
+    """Persistent workers or not; with node_pool=True (the node's 2 processes, local
+    rank 0's children, make the leader's and rank 2's batches); and ranks started as
+    mp.spawn starts them, with no torchrun variable, the group a ProcessGroup
+    (torch.distributed.new_group) and the node found through the store."""
+    results, codes, logs = _ranks(tmp_path, "share", 3, arg, dist=arg.endswith("dist"))
     persistent, node_pool = arg.startswith("1"), arg.endswith("node")
     assert codes == [0, 0, 0], logs
     leader, follower, other = results

@@ -25,6 +25,7 @@ a process serves its logical workers round robin, one request each (no rank star
 """
 from __future__ import annotations
 
+import datetime
 import hashlib
 import itertools
 import os
@@ -35,6 +36,7 @@ import struct
 import threading
 import time
 import weakref
+from typing import NamedTuple
 
 from poolloader.errors import WorkerDied
 from poolloader.main import supervise
@@ -74,21 +76,103 @@ def wanted(node_pool) -> bool:
     return node_pool
 
 
-def local_group() -> tuple[int, int, str] | None:
-    """(local rank, local world size, run key) under torchrun with 2 or more local ranks
-    (its LOCAL_RANK, LOCAL_WORLD_SIZE, TORCHELASTIC_RUN_ID and GROUP_RANK); None
-    otherwise, where node_pool=True is an ordinary PoolLoader."""
+class LocalGroup(NamedTuple):
+    """This process's place among the job's ranks on this node."""
+
+    rank: int  # local rank
+    size: int  # local world size
+    run_key: str  # the same on every local rank of this job, and only there
+    ranks: tuple[int, ...] | None  # the node's global ranks by local rank (None: unknown)
+
+
+def local_group() -> LocalGroup | None:
+    """This rank's LocalGroup where 2 or more ranks of the job share this node; None
+    otherwise, where node_pool=True is an ordinary PoolLoader. Under torchrun from its
+    variables (LOCAL_RANK, LOCAL_WORLD_SIZE, TORCHELASTIC_RUN_ID, GROUP_RANK, RANK);
+    else from an initialised torch.distributed (mp.spawn, a launcher of one's own):
+    see _dist_group."""
     env = os.environ
+    if env.get(RANK_PID_ENV, str(os.getpid())) != str(os.getpid()):
+        return None  # a child of the rank (module docstring of RANK_PID_ENV)
     try:
         rank, size = int(env["LOCAL_RANK"]), int(env["LOCAL_WORLD_SIZE"])
     except (KeyError, ValueError):
-        return None
+        return _dist_group()
     run_id = env.get("TORCHELASTIC_RUN_ID")
     if not run_id or size < 2 or not 0 <= rank < size:
         return None
-    if env.get(RANK_PID_ENV, str(os.getpid())) != str(os.getpid()):
-        return None  # a child of the rank (module docstring of RANK_PID_ENV)
-    return rank, size, f"{run_id}/{env.get('GROUP_RANK', '0')}"
+    try:
+        first = int(env["RANK"]) - rank  # torchrun gives a node consecutive global ranks
+        ranks: tuple[int, ...] | None = tuple(range(first, first + size))
+    except (KeyError, ValueError):
+        ranks = None
+    # the agent's pid: torchrun's default run id, "none", is shared by every job
+    key = f"torchrun/{os.getppid()}/{run_id}/{env.get('GROUP_RANK', '0')}/" \
+          f"{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return LocalGroup(rank, size, key, ranks)
+
+
+# The local ranks' pids where the group came from torch.distributed (peer_is_a_local_rank);
+# and the group found, per default process group (_dist_group).
+_dist_peers: set[int] = set()
+_dist_found: list = []  # [(the default process group, LocalGroup or None)]
+
+
+def _node_identity() -> str:
+    """What two processes that can share memfd segments and abstract sockets share: the
+    machine's boot, the user, the PID and network namespaces."""
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        boot = f.read().strip()
+    return (f"{boot}/{os.getuid()}/{os.stat('/proc/self/ns/pid').st_ino}/"
+            f"{os.stat('/proc/self/ns/net').st_ino}")
+
+
+def _dist_group() -> LocalGroup | None:
+    """The LocalGroup from an initialised torch.distributed default process group.
+
+    Once per process group, every rank of the world writes its node's identity and its
+    pid to the group's store (keys poolloader/node/<rank>) and reads every rank's,
+    bounded by rendezvous_timeout(): the ranks of this node by global rank are its
+    local ranks. It needs every rank of the world to build a node-pool or
+    share_batches loader (as every local rank must, under torchrun); the store is read
+    once, not per loader. The run key is those ranks' pids: the same on each of them,
+    and on no other job's."""
+    try:
+        import torch.distributed as dist
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        default = dist.distributed_c10d._get_default_group()
+    except (ImportError, RuntimeError, AttributeError):
+        return None
+    for group, found in _dist_found:
+        if group is default:
+            return found
+    world, me = dist.get_world_size(), dist.get_rank()
+    found = None
+    if world >= 2:
+        store = dist.distributed_c10d._get_default_store()
+        keys = [f"poolloader/node/{r}" for r in range(world)]
+        store.set(keys[me], f"{_node_identity()} {os.getpid()}")
+        timeout = rendezvous_timeout()
+        try:
+            store.wait(keys, datetime.timedelta(seconds=timeout))
+        except RuntimeError:
+            missing = [r for r, k in enumerate(keys) if not store.check([k])]
+            raise RuntimeError(
+                f"PoolLoader(node_pool/share_batches): rank {me} waited {timeout:.0f} s for "
+                f"every rank of the torch.distributed world ({world}) to build its loader; "
+                f"ranks {missing} did not (each rank must build the same node-pool and "
+                f"share_batches loaders). {TIMEOUT_ENV} sets the wait; node_pool=False and "
+                "share_batches=None give this rank an ordinary loader.") from None
+        entries = [store.get(k).decode().rsplit(" ", 1) for k in keys]
+        here = [r for r, (identity, _pid) in enumerate(entries) if identity == entries[me][0]]
+        if len(here) >= 2:
+            pids = [int(entries[r][1]) for r in here]
+            _dist_peers.update(pids)
+            found = LocalGroup(here.index(me), len(here),
+                               "dist/" + "/".join(map(str, pids)), tuple(here))
+    _dist_found.append((default, found))
+    return found
 
 
 def rendezvous_timeout() -> float:
@@ -102,14 +186,12 @@ def rendezvous_timeout() -> float:
 
 
 def rendezvous_address(run_key: str, k: int) -> bytes:
-    """The rendezvous name: the uid, the PID namespace, the torchrun agent (every local
-    rank's parent: torchrun's default run id, "none", is shared by every job), the run
-    id, node rank and restart, and the loader's ordinal."""
+    """The rendezvous name: the uid, the PID namespace, the run (LocalGroup.run_key:
+    torchrun's agent, run id, node rank and restart, or the local ranks' pids), and the
+    loader's ordinal."""
     namespace = os.stat("/proc/self/ns/pid").st_ino
-    run = hashlib.blake2b(
-        f"{run_key}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}".encode(),
-        digest_size=8).hexdigest()
-    return f"\0poolloader-{os.getuid()}-{namespace}-{os.getppid()}-{run}-{k}".encode()
+    run = hashlib.blake2b(run_key.encode(), digest_size=8).hexdigest()
+    return f"\0poolloader-{os.getuid()}-{namespace}-{run}-{k}".encode()
 
 
 def _name(obj) -> str:
@@ -172,12 +254,15 @@ def _parent_of(pid: int) -> int | None:
 
 
 def peer_is_a_local_rank(sock: socket.socket) -> bool:
-    """Whether the other end is a process of this user, in this PID namespace, whose
-    parent is ours (torchrun's agent): another local rank of this job. Checked before
-    anything it sends is unpickled."""
+    """Whether the other end is a process of this user, in this PID namespace, that is
+    another local rank of this job: one whose pid the job's store gave (_dist_group),
+    or, under torchrun, whose parent is ours (the agent). Checked before anything it
+    sends is unpickled."""
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     pid, uid, _gid = struct.unpack("3i", creds)
-    return uid == os.getuid() and pid > 0 and _parent_of(pid) == os.getppid()
+    if uid != os.getuid() or pid <= 0:
+        return False
+    return pid in _dist_peers or _parent_of(pid) == os.getppid()
 
 
 def held_socket(kind: int = socket.SOCK_STREAM) -> socket.socket:
@@ -510,7 +595,7 @@ class NodeClient(_Node):
             segment.close()
 
 
-def join(loader, ctx, processes: int, group: tuple[int, int, str]) -> _Node:
+def join(loader, ctx, processes: int, group: LocalGroup) -> _Node:
     """The node pool of `loader` (built on every local rank in the same order): host it
     (local rank 0) or join it; closed when the loader is collected, or at exit."""
     from poolloader.shm.backends import memfd
@@ -524,7 +609,7 @@ def join(loader, ctx, processes: int, group: tuple[int, int, str]) -> _Node:
     if why_not is not None:
         raise OSError(f"PoolLoader(node_pool=True) needs anonymous shared memory that other "
                       f"processes can open: {why_not}; pass node_pool=False")
-    rank, size, run_key = group
+    rank, size, run_key, _ranks = group
     os.environ[RANK_PID_ENV] = str(os.getpid())
     address = rendezvous_address(run_key, next(_ordinal))
     mine = fingerprint(loader, processes)

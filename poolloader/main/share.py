@@ -67,13 +67,17 @@ SEND_TIMEOUT_S = 30
 
 
 def members(share_batches) -> list[int] | None:
-    """The global ranks of `share_batches` (a list of ints or a ProcessGroup); None: none."""
+    """The global ranks of `share_batches` (a list of ints or a ProcessGroup); None: none,
+    or a ProcessGroup this rank is not in."""
     if share_batches is None:
         return None
     try:
         import torch.distributed as dist
         if dist.is_available() and isinstance(share_batches, dist.ProcessGroup):
             return sorted(dist.get_process_group_ranks(share_batches))
+        if dist.is_available() and dist.is_initialized() \
+                and share_batches is dist.GroupMember.NON_GROUP_MEMBER:
+            return None  # what new_group(ranks) gives a rank not in `ranks`
     except (ImportError, RuntimeError):
         pass
     try:
@@ -90,22 +94,20 @@ def members(share_batches) -> list[int] | None:
 def plan(ranks: list[int] | None):
     """(leader's global rank, this rank, the followers on this node, run key) when this
     rank shares its batches with another rank of this node; None otherwise (not under
-    torchrun, not a member, or the only member here): an ordinary loader."""
+    torchrun or an initialised torch.distributed, not a member, or the only member
+    here): an ordinary loader."""
     if not ranks:
         return None
     group = node.local_group()
-    try:
-        rank = int(os.environ["RANK"])
-    except (KeyError, ValueError):
+    if group is None or group.ranks is None:
         return None
-    if group is None or rank not in ranks:
+    rank = group.ranks[group.rank]
+    if rank not in ranks:
         return None
-    local_rank, local_size, run_key = group
-    first = rank - local_rank  # torchrun gives a node consecutive global ranks
-    here = [r for r in ranks if first <= r < first + local_size]
+    here = [r for r in ranks if r in group.ranks]
     if len(here) < 2:
         return None
-    return here[0], rank, here[1:], run_key
+    return here[0], rank, here[1:], group.run_key
 
 
 def check(loader) -> None:
