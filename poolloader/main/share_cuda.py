@@ -18,7 +18,7 @@ this process's next gate activity (poolloader.cuda.gate.finish_deferred).
 """
 from __future__ import annotations
 
-from typing import Any
+from poolloader.shm._shm import Mapping
 
 
 class FollowerCuda:
@@ -28,11 +28,11 @@ class FollowerCuda:
     def __init__(self, gate, stager) -> None:
         self.gate = gate
         self.stager = stager
-        self._registered: dict[int, Any] = {}  # address -> a mapping the gate registered
+        self._registered: dict[int, Mapping] = {}  # address -> a mapping the gate registered
         self._cooling: dict[tuple, bool] = {}  # key -> forked, released to the gate, not ready
         self.registrations = 0  # mappings registered so far (each once)
 
-    def register(self, mapping, slot: int) -> None:
+    def register(self, mapping: Mapping, slot: int) -> None:
         """Before a batch in `mapping` is decoded: registered the first time only.
         Raises CudaRegistrationError (the gate's)."""
         if self.gate is None or self._registered.get(mapping.address) is mapping:
@@ -41,7 +41,7 @@ class FollowerCuda:
         self._registered[mapping.address] = mapping
         self.registrations += 1
 
-    def drop(self, mapping) -> None:
+    def drop(self, mapping: Mapping) -> None:
         """No batch will be decoded from `mapping` any more (the caller forgets it): it is
         unregistered once every copy that may read it has finished (`ready`)."""
         if self.gate is not None and self._registered.get(mapping.address) is mapping:
