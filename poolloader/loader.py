@@ -111,8 +111,10 @@ class PoolLoader(DataLoader[T_co]):
                   slot: same pages, no copy, no worker of their own. Each rank
                   still draws its own sampler and checks it against the batch
                   (samplers that disagree: an error at the first batch that
-                  differs). Needs a map-style dataset, in_order=True, memfd and,
-                  for now, no pin_memory or device= (docs/node.md). A rank not
+                  differs). Needs a map-style dataset, in_order=True and memfd;
+                  on CUDA each rank registers its own mapping of the slots,
+                  and a slot is reused only after every rank's copies from it
+                  finished (docs/node.md). A rank not
                   in the list, or alone in it on its node, loads as usual.
     Nothing is created until the loader is iterated (with node_pool under torchrun,
     local rank 0 starts the node's processes as the loader is built). `stats` holds counters;

@@ -40,6 +40,13 @@ sampler; rank 2 another, not in the group):
   share_leader_killed  both take a batch; rank 0 SIGKILLs itself; rank 1 records the error.
   share_restart  both ranks leave an epoch after one batch for a new iterator, and drop
         the old one after the new one began: the new epoch must be DataLoader's.
+  share_cuda ARG=pin|device  ranks 0 and 1 only, each with the CPU stand-in of the CUDA
+        runtime (tests/cuda_standin.py) and pin_memory=True (or device="cuda"), 30
+        batches an epoch, persistent workers. Epoch 0 runs each rank's copies after each
+        batch; in epoch 1 every copy stays queued (it reads the slot only when it runs,
+        as a DMA does) until the epoch ended. Records whether the copies equal its
+        DataLoader's batches, the registrations, the follower's held-back releases, and
+        after teardown the unregistrations, violations and children left.
   share_nodes  4 ranks on 2 simulated nodes (GROUP_RANK 0 and 1), all in one group with
         the same sampler: records whether each got its DataLoader's batches, and its role.
 """
@@ -412,6 +419,8 @@ def main() -> dict:
         got = restarted(PoolLoader, share_batches=SHARE_GROUP)
         meet("done")
         return {"equal": same([expected], [got]), "batches": len(got)}
+    if CASE == "share_cuda":
+        return share_cuda(ARG == "device")
     if CASE == "share_nodes":
         def one(cls, phase, **kw):
             dataset = Counted(phase)
@@ -424,6 +433,58 @@ def main() -> dict:
         meet("done")
         return {"equal": same([expected], [got]), "role": getattr(side, "role", None)}
     raise ValueError(CASE)
+
+
+def share_cuda(device: bool) -> dict:
+    from cuda_standin import SimCuda
+
+    from poolloader.cuda import gate as cuda_gate
+    n = 240  # 30 batches an epoch: more than the leader's slots, so slots are reused
+    torch.manual_seed(0)
+    expected = epochs(shared_loader(DataLoader, "torch", True, n=n))
+    torch.manual_seed(0)
+    pool, sampler = shared_loader(PoolLoader, "pool", True, n=n, share_batches=SHARE_GROUP,
+                                  **({"device": "cuda"} if device else {"pin_memory": True}))
+    sim = SimCuda()
+    pool._cuda_runtime = sim  # the only stand-in: the CUDA runtime
+    side = sim.stream(0, "side")  # the rank's copy stream (a prefetcher's), torch-made
+    link = pool._share
+    got, registered, slot_views, most_held_back = [], [], [], 0
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        copies = []
+        for batch in pool:
+            if device:  # the stager's copies, queued on its stream
+                copies.append(batch)
+            else:
+                slot_views.append(sim._registered_range(
+                    batch[2].data_ptr(), batch[2].numel() * batch[2].element_size()))
+                copies.append([sim.copy(t.contiguous(), side) for t in batch])
+            del batch
+            if epoch == 0:
+                sim.run_all()
+            if RANK == 1:
+                most_held_back = max(most_held_back, link.cuda.pending)
+        registered.append(sim.register_calls)
+        sim.run_all()  # epoch 1: only now does any copy read its slot
+        got.append([[t.clone() for t in b] for b in copies])
+        del copies
+    result = {"role": link.role if link is not None else None,
+              "equal": same(expected, got), "batches": len(got[0]), "registered": registered,
+              "slot_views": all(slot_views), "detaches": pool.stats.detaches,
+              "growths": pool.stats.cooling_growths}
+    if RANK == 1:
+        result.update(mapped=link.segments_mapped, registrations=link.cuda.registrations,
+                      most_held_back=most_held_back)
+    meet("iterated", ranks=SHARE_GROUP)
+    del pool, link, sampler
+    gc.collect()
+    cuda_gate.finish_deferred()  # what this process's next gate would do first
+    result.update(unregistered=sim.unregister_calls, still_registered=len(sim.registered),
+                  violations=sim.violations, errors=[c for c in sim.calls if c[1] == "clear_error"],
+                  children_gone=proc.wait_gone(children(), 10.0), children=children())
+    meet("done", ranks=SHARE_GROUP)
+    return result
 
 
 def drain(it) -> tuple:

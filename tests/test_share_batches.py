@@ -134,3 +134,32 @@ def test_share_batches_is_checked(monkeypatch):
         PoolLoader(data, num_workers=1, in_order=False, share_batches=[0, 1])
     with pytest.raises(ValueError, match="num_workers=0"):
         PoolLoader(data, share_batches=[0, 1])
+
+
+@pytest.mark.parametrize("arg", ["pin", "device"])
+def test_on_cuda_a_slot_waits_for_every_ranks_copies(tmp_path, arg):
+    """The CUDA stand-in on both ranks (pin_memory=True, or device="cuda"): copies read
+    the slot when they run, so a slot the leader rewrote before a follower's queued copy
+    ran would show up as wrong data."""
+    results, codes, logs = _ranks(tmp_path, "share_cuda", 2, arg)
+    assert codes == [0, 0], logs
+    leader, follower = results
+    assert (leader["role"], follower["role"]) == ("leader", "follower")
+    for rank, r in enumerate(results):
+        assert r["equal"], f"rank {rank}: its copies differ from its DataLoader's batches\n{logs}"
+        assert r["batches"] == 240 // 2 // 4
+        if arg == "pin":
+            assert r["slot_views"], f"rank {rank}: a batch did not view a registered slot"
+        # every registration undone at teardown, no copy read unregistered memory, no
+        # CUDA error, no process left
+        assert r["registered"][-1] > 0 and r["unregistered"] == r["registered"][-1], r
+        assert r["still_registered"] == 0 and r["violations"] == [] and r["errors"] == [], r
+        assert r["children_gone"], r
+    # the follower registers each mapping it gets once (a descriptor each), not per batch:
+    # epoch 0, its copies done at once, needs a few of the leader's slots for 30 batches
+    assert follower["registrations"] == follower["mapped"] == follower["registered"][-1]
+    assert 0 < follower["registered"][0] < 30 // 2, follower
+    # in epoch 1 its releases waited behind its queued copies (nothing ran until the
+    # end), so the leader made its batches in other slots (grown, or new segments)
+    assert follower["most_held_back"] >= 20, follower
+    assert leader["detaches"] + leader["growths"] > 0, leader

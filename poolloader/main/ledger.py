@@ -148,8 +148,12 @@ class SlotLedger:
             slot = self.free.pop()
         elif self.pool.num_slots < self.capacity:
             slot = self._add()
-        elif gate is not None and gate.pending and self.pool.num_slots < self.pool.max_slots:
-            slot = self._add()  # cooling slots come back by themselves: grow, do not wait
+        elif gate is not None and (gate.pending or self.parked) \
+                and self.pool.num_slots < self.pool.max_slots:
+            # cooling slots come back by themselves, and so do the ones only followers
+            # still hold (share_batches: theirs cool behind their own copies): grow,
+            # do not wait, and do not detach
+            slot = self._add()
             self.stats.cooling_growths += 1
         else:
             slot = self._reclaim()

@@ -19,6 +19,10 @@ What keeps it exact and safe:
   (poolloader.main.ledger: `shared`, `parked`); a follower says so with its next
   next(). If the leader runs out of slots meanwhile, it detaches the segment, as it
   does for a batch its own consumer keeps: the followers' mappings keep it alive.
+* On CUDA (pin_memory=True, device=) each rank registers its own mapping of a segment
+  once, and a follower's release reaches the leader only once its own copies from the
+  batch finished (poolloader.main.share_cuda); the leader's own copies gate it as any
+  pool's (its SlotGate).
 * A follower that exits gives back what it held (its socket closes) and the others go
   on, with a warning on the leader; a leader that exits, or whose iterator fails, is an
   error on every follower at its next wait (the socket closes, or says why).
@@ -47,8 +51,10 @@ from typing import Any
 from torch.utils.data import IterableDataset
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
+from poolloader.cuda import gate
 from poolloader.errors import WorkerDied, warn
 from poolloader.main import node
+from poolloader.main.share_cuda import FollowerCuda
 from poolloader.shm import fork
 from poolloader.shm._shm import Mapping
 from poolloader.wire import codec
@@ -121,9 +127,6 @@ def check(loader) -> None:
                         "against its own sampler's: use a map-style dataset)")
     if not loader.in_order:
         problems.append("in_order=False (the batches' order would differ between ranks)")
-    if loader.pin_memory or loader.device is not None:
-        problems.append("pin_memory=True or device= (the CUDA side of share_batches is not "
-                        "built yet)")
     backend = loader.shm_backend or os.environ.get("POOLLOADER_SHM_BACKEND")
     if backend not in (None, "", "memfd"):
         problems.append(f"shm_backend={backend!r} (followers map the leader's memfd segments)")
@@ -383,6 +386,10 @@ class ShareFollower(node.Users):
         # (pool id, slot) -> (generation, mapping) of the leader's segments
         self._maps: dict[tuple[int, int], tuple[int, Mapping]] = {}
         self.leases: dict = {}  # weakref to a Lease -> (pool id, slot, generation)
+        # pin_memory / device=: registration and the reuse gate of this rank's copies,
+        # made by its first iterator (cuda_side), closed with this link
+        self.cuda: FollowerCuda | None = None
+        self.segments_mapped = 0  # the leader's segments mapped so far (one descriptor each)
         self._released: collections.deque = collections.deque()
         self.on_release = self._released.append
         self._early: tuple | None = None  # a later epoch's message, read while this one ran
@@ -425,9 +432,19 @@ class ShareFollower(node.Users):
         self._epoch += 1
         return self._epoch
 
+    def cuda_side(self, loader, pin_memory: bool, pin_memory_device) -> FollowerCuda:
+        """This rank's CUDA side, made once (the first iterator's pin_memory decision,
+        as DataLoader's base iterator took it): gate and stager as an ordinary
+        PoolLoader iterator's (poolloader.cuda.gate.setup)."""
+        if self.cuda is None:
+            self.cuda = FollowerCuda(*gate.setup(loader, pin_memory, pin_memory_device))
+        return self.cuda
+
     def flush(self) -> None:
-        """Tell the leader which batches this rank dropped."""
-        if not self._released or self._sock is None:
+        """Tell the leader which batches this rank dropped: on CUDA, only once the copies
+        this rank queued from them have finished (FollowerCuda)."""
+        cuda = self.cuda
+        if self._sock is None or not self._released and (cuda is None or not cuda.pending):
             return
         keys = []
         while self._released:
@@ -436,7 +453,13 @@ class ShareFollower(node.Users):
                 have = self._maps.get((key[0], key[1]))
                 # a child forked while the batch was held inherited the mapping
                 # (poolloader.shm.fork): the leader must never rewrite that segment
-                keys.append((key, have is not None and have[0] == key[2] and have[1].forked))
+                forked = have is not None and have[0] == key[2] and have[1].forked
+                if cuda is None:
+                    keys.append((key, forked))
+                else:
+                    keys += cuda.release(key, forked)
+        if cuda is not None:
+            keys += cuda.ready()
         if keys:
             try:
                 self._sock.send(_pack(("released", keys)))
@@ -485,14 +508,18 @@ class ShareFollower(node.Users):
                 _, their_epoch, k, key, size, theirs = message
                 pool_id, slot, generation = key
                 if any(p != pool_id for p, _ in self._maps):  # the leader's older pools
-                    self._maps = {k: v for k, v in self._maps.items() if k[0] == pool_id}
+                    for old in [k for k in self._maps if k[0] != pool_id]:
+                        self._forget(old)
                 if fds:
                     try:
                         # MADV_DONTFORK, as the leader's (poolloader.shm.fork)
-                        self._maps[(pool_id, slot)] = (generation, Mapping(fds[0], size, True))
+                        mapping = Mapping(fds[0], size, True)
                     finally:
                         for fd in fds:
                             fork.release(fd)
+                    self._forget((pool_id, slot))  # a segment the slot had before
+                    self._maps[(pool_id, slot)] = (generation, mapping)
+                    self.segments_mapped += 1
                 if their_epoch < epoch:  # an epoch this rank left early: not consumed
                     self._send_back(key)
                     continue
@@ -522,7 +549,20 @@ class ShareFollower(node.Users):
                     "batches (the same sampler, seed and arguments: e.g. DistributedSampler("
                     "num_replicas=, rank=) set to the group's data-parallel rank, not the "
                     "global one)")
+            if self.cuda is not None:
+                try:
+                    self.cuda.register(have[1], slot)  # the first batch in it only
+                except BaseException:
+                    self._send_back(key)
+                    raise
             return have[1], key
+
+    def _forget(self, where: tuple[int, int]) -> None:
+        """Drop the mapping of (pool id, slot): its batches still view it; on CUDA it is
+        unregistered once copies from it finished."""
+        have = self._maps.pop(where, None)
+        if have is not None and self.cuda is not None:
+            self.cuda.drop(have[1])
 
     def _send_back(self, key) -> None:
         try:
@@ -533,6 +573,9 @@ class ShareFollower(node.Users):
     def close(self) -> None:
         sock, self._sock = self._sock, None
         node.close_socket(sock)
+        cuda, self.cuda = self.cuda, None
+        if cuda is not None:
+            cuda.close()  # maybe from a finaliser: no CUDA call (FollowerCuda.close)
         self._maps = {}
 
 
@@ -549,23 +592,37 @@ class FollowerIter(_BaseDataLoaderIter):
         link.acquire()  # the loader may go before this iterator
         weakref.finalize(self, link.release)
         super().__init__(loader)
+        # pinning or device= copies as an ordinary iterator's, with the link's gate
+        cuda = link.cuda_side(loader, self._pin_memory, getattr(self, "_pin_memory_device", None))
+        self._stager = cuda.stager
+        self._small_buffer = cuda.gate.small_buffer if cuda.gate is not None else None
+        if self._stager is not None:
+            self._stager.reset()  # an earlier iterator's staged batch: given back
         self._epoch = self._link.begin_epoch()
         self._n = 0
 
     def _reset(self, loader, first_iter=False) -> None:
         super()._reset(loader, first_iter)
         if not first_iter:
+            if self._stager is not None:
+                self._stager.reset()  # a staged batch's slot cools behind its copy event
             self._epoch = self._link.begin_epoch()
         self._n = 0
 
     def _next_data(self):
+        if self._stager is None:
+            return self._next_host()
+        return self._stager.next(self._next_host)  # pinning, or device= one batch ahead
+
+    def _next_host(self):
         link = self._link
         link.flush()
         index = self._next_index()  # StopIteration: this rank's epoch is over
         mapping, key = link.receive(self._epoch, self._n, index)
         self._n += 1
         header = fmt.header_view(mapping)
-        payload, lease = codec.decode(mapping, header, link.leases, link.on_release, key)
+        payload, lease = codec.decode(mapping, header, link.leases, link.on_release, key,
+                                      small_buffer=self._small_buffer)
         del lease
         if fmt.reply_is_error(header):
             payload.reraise()
