@@ -141,7 +141,7 @@ def _dist_group() -> LocalGroup | None:
         import torch.distributed as dist
         if not (dist.is_available() and dist.is_initialized()):
             return None
-        default = dist.distributed_c10d._get_default_group()
+        default = dist.group.WORLD
     except (ImportError, RuntimeError, AttributeError):
         return None
     for group, found in _dist_found:
