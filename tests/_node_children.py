@@ -30,8 +30,9 @@ Cases:
 
 share_batches=[0, 1] on 3 ranks (ranks 0 and 1 one data-parallel rank, with the same
 sampler; rank 2 another, not in the group):
-  share ARG=persistent(0/1)[node]  two epochs of DataLoader, then of
-        PoolLoader(share_batches) (with "node": and node_pool=True);
+  share ARG=persistent(0/1)[node][dist]  two epochs of DataLoader, then of
+        PoolLoader(share_batches) (with "node": and node_pool=True; "dist": the group a
+        torch.distributed.new_group);
         records whether they are equal, the memfd inode behind each batch, this rank's
         children, and __getitem__ calls per phase (files calls.<phase>.<pid> in OUT).
   share_mismatch [loader]  rank 1's sampler has another seed (or, with "loader", its
@@ -328,7 +329,7 @@ def main() -> dict:
         meet("done")
         return result
     if CASE == "share":
-        persistent, node_pool = ARG.startswith("1"), ARG.endswith("node")
+        persistent, node_pool = ARG.startswith("1"), "node" in ARG
         torch.manual_seed(0)
         expected = epochs(shared_loader(DataLoader, "torch", persistent))
         torch.manual_seed(0)
