@@ -39,6 +39,8 @@ sampler; rank 2 another, not in the group):
         batch_size differs): records the error, and where it came.
   share_follower_killed  rank 1 takes two batches and SIGKILLs itself; rank 0 goes on.
   share_leader_killed  both take a batch; rank 0 SIGKILLs itself; rank 1 records the error.
+  share_two_groups  groups [0, 1] and [0, 2], one sampler: rank 0 leads both, with a
+        loader each; records whether each loader's epoch is DataLoader's, and the roles.
   share_restart  both ranks leave an epoch after one batch for a new iterator, and drop
         the old one after the new one began: the new epoch must be DataLoader's.
   share_cuda ARG=pin|device  ranks 0 and 1 only, each with the CPU stand-in of the CUDA
@@ -420,6 +422,20 @@ def main() -> dict:
         got = restarted(PoolLoader, share_batches=SHARE_GROUP)
         meet("done")
         return {"equal": same([expected], [got]), "batches": len(got)}
+    if CASE == "share_two_groups":
+        # groups [0, 1] and [0, 2], both led by rank 0: each meets its own followers
+        def one(cls, **kw):
+            dataset = Augmented()
+            sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=5)
+            return cls(dataset, batch_size=BATCH, sampler=sampler, num_workers=WORKERS,
+                       worker_init_fn=init_fn, generator=torch.Generator().manual_seed(11), **kw)
+        expected = [[t.clone() for t in b] for b in one(DataLoader)]
+        made = [one(PoolLoader, share_batches=g)
+                for g in {0: [[0, 1], [0, 2]], 1: [[0, 1]], 2: [[0, 2]]}[RANK]]
+        got = [[[t.clone() for t in b] for b in m] for m in made]
+        meet("done")
+        return {"equal": [same([expected], [g]) for g in got],
+                "roles": [getattr(m._share, "role", None) for m in made]}
     if CASE == "share_cuda":
         return share_cuda(ARG == "device")
     if CASE == "share_nodes":

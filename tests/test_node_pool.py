@@ -36,9 +36,10 @@ TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "WORLD_SI
 def _ranks(tmp_path, case: str, world: int, arg: str = "", env=None, nodes: int = 1,
            dist: bool = False) -> list:
     """Run `case` on `world` ranks (on `nodes` simulated nodes: GROUP_RANK, each with
-    world / nodes local ranks); with `dist`, as mp.spawn starts them: no torchrun
-    variable, and each rank initialises torch.distributed (gloo, a FileStore in
-    tmp_path). [rank's JSON, or None if it wrote none]."""
+    world / nodes local ranks); with `dist`, as a launcher of one's own starts them:
+    no torchrun variable, each rank the child of its own shell (so the ranks' peer
+    check must use the pids the store gave, not a common parent), and each rank
+    initialises torch.distributed (gloo, a FileStore in tmp_path). [rank's JSON, or None if it wrote none]."""
     run_id = f"pltest-{uuid.uuid4().hex[:12]}"
     procs, logs = [], []
     per_node = world // nodes
@@ -57,7 +58,10 @@ def _ranks(tmp_path, case: str, world: int, arg: str = "", env=None, nodes: int 
                                  POOLLOADER_TEST_RANK=str(rank), POOLLOADER_TEST_WORLD=str(world))
             log = open(tmp_path / f"rank{rank}.log", "w+")
             logs.append(log)
-            procs.append(subprocess.Popen([sys.executable, CHILD, case, str(tmp_path), arg],
+            command = [sys.executable, CHILD, case, str(tmp_path), arg]
+            if dist:  # each rank a child of its own shell: no common parent to vouch for it
+                command = ["/bin/sh", "-c", '"$@"; exit $?', "sh", *command]
+            procs.append(subprocess.Popen(command,
                                           env=child_env, stdout=log, stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL, start_new_session=True))
         deadline = time.monotonic() + DEADLINE_S

@@ -24,13 +24,14 @@ def _calls(tmp_path, phase: str) -> dict[int, int]:
             for p in glob.glob(str(tmp_path / f"calls.{phase}.*"))}
 
 
-@pytest.mark.parametrize("arg", ["1", "0nodedist"])
+@pytest.mark.parametrize("arg", ["1dist", "0node"])
 def test_a_group_gets_its_dataloaders_batches_made_once_from_the_same_pages(tmp_path, arg):
-    """Persistent workers, ranks started as torchrun starts them; and non-persistent
-    with node_pool=True (the node's 2 processes, local rank 0's children, make the
-    leader's and rank 2's batches), the ranks started as mp.spawn starts them: no
-    torchrun variable, the group a ProcessGroup (torch.distributed.new_group), the node
-    found through the store."""
+    """Persistent workers, the ranks started as mp.spawn starts them (no torchrun
+    variable; each rank's parent its own shell; the group a ProcessGroup, what
+    torch.distributed.new_group gives, NON_GROUP_MEMBER on rank 2; the node found
+    through the store); and non-persistent with node_pool=True, under torchrun's
+    variables (the node's 2 processes, local rank 0's children, make the leader's and
+    rank 2's batches)."""
     results, codes, logs = _ranks(tmp_path, "share", 3, arg, dist=arg.endswith("dist"))
     persistent, node_pool = arg.startswith("1"), "node" in arg
     assert codes == [0, 0, 0], logs
@@ -68,6 +69,13 @@ def test_a_group_that_spans_nodes_is_made_once_per_node(tmp_path):
     # DataLoader: 4 ranks × 48 samples; the pool: 48 per node
     assert sum(_calls(tmp_path, "torch").values()) == 4 * 48
     assert sum(_calls(tmp_path, "pool").values()) == 2 * 48
+
+
+def test_two_groups_with_one_leader_each_meet_their_own_followers(tmp_path):
+    results, codes, logs = _ranks(tmp_path, "share_two_groups", 3)
+    assert codes == [0, 0, 0], logs
+    assert [r["roles"] for r in results] == [["leader", "leader"], ["follower"], ["follower"]]
+    assert [r["equal"] for r in results] == [[True, True], [True], [True]], logs
 
 
 def test_a_follower_whose_sampler_differs_is_told_at_the_first_batch(tmp_path):
@@ -157,9 +165,10 @@ def test_on_cuda_a_slot_waits_for_every_ranks_copies(tmp_path, arg):
         assert r["still_registered"] == 0 and r["violations"] == [] and r["errors"] == [], r
         assert r["children_gone"], r
     # the follower registers each mapping it gets once (a descriptor each), not per batch:
-    # epoch 0, its copies done at once, needs a few of the leader's slots for 30 batches
+    # epoch 0, its copies done at once, reuses the leader's slots for its 30 batches (how
+    # many depends on how far the leader ran ahead: it never waits for the follower)
     assert follower["registrations"] == follower["mapped"] == follower["registered"][-1]
-    assert 0 < follower["registered"][0] < 30 // 2, follower
+    assert 0 < follower["registered"][0] < 30, follower
     # in epoch 1 its releases waited behind its queued copies (nothing ran until the
     # end), so the leader made its batches in other slots (grown, or new segments)
     assert follower["most_held_back"] >= 20, follower

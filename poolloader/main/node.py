@@ -94,12 +94,14 @@ def local_group() -> LocalGroup | None:
     env = os.environ
     if env.get(RANK_PID_ENV, str(os.getpid())) != str(os.getpid()):
         return None  # a child of the rank (module docstring of RANK_PID_ENV)
+    run_id = env.get("TORCHELASTIC_RUN_ID")
     try:
         rank, size = int(env["LOCAL_RANK"]), int(env["LOCAL_WORLD_SIZE"])
     except (KeyError, ValueError):
+        run_id = None
+    if not run_id:  # not torchrun (a launcher may set LOCAL_RANK of its own)
         return _dist_group()
-    run_id = env.get("TORCHELASTIC_RUN_ID")
-    if not run_id or size < 2 or not 0 <= rank < size:
+    if size < 2 or not 0 <= rank < size:
         return None
     try:
         first = int(env["RANK"]) - rank  # torchrun gives a node consecutive global ranks
@@ -112,10 +114,11 @@ def local_group() -> LocalGroup | None:
     return LocalGroup(rank, size, key, ranks)
 
 
-# The local ranks' pids where the group came from torch.distributed (peer_is_a_local_rank);
-# and the group found, per default process group (_dist_group).
+# The local ranks' pids where the group came from torch.distributed: then a peer must be
+# one of them (peer_is_a_local_rank); and the group found for the current default
+# process group (_dist_group), kept for that group only.
 _dist_peers: set[int] = set()
-_dist_found: list = []  # [(the default process group, LocalGroup or None)]
+_dist_found: list = []  # [(the default process group, LocalGroup or None)]: one at most
 
 
 def _node_identity() -> str:
@@ -144,9 +147,10 @@ def _dist_group() -> LocalGroup | None:
         default = dist.group.WORLD
     except (ImportError, RuntimeError, AttributeError):
         return None
-    for group, found in _dist_found:
-        if group is default:
-            return found
+    if _dist_found and _dist_found[0][0] is default:
+        return _dist_found[0][1]
+    _dist_found.clear()  # an earlier, destroyed group's: not kept alive
+    _dist_peers.clear()
     world, me = dist.get_world_size(), dist.get_rank()
     found = None
     if world >= 2:
@@ -168,7 +172,7 @@ def _dist_group() -> LocalGroup | None:
         here = [r for r, (identity, _pid) in enumerate(entries) if identity == entries[me][0]]
         if len(here) >= 2:
             pids = [int(entries[r][1]) for r in here]
-            _dist_peers.update(pids)
+            _dist_peers.update(p for p in pids if p != os.getpid())
             found = LocalGroup(here.index(me), len(here),
                                "dist/" + "/".join(map(str, pids)), tuple(here))
     _dist_found.append((default, found))
@@ -255,14 +259,16 @@ def _parent_of(pid: int) -> int | None:
 
 def peer_is_a_local_rank(sock: socket.socket) -> bool:
     """Whether the other end is a process of this user, in this PID namespace, that is
-    another local rank of this job: one whose pid the job's store gave (_dist_group),
-    or, under torchrun, whose parent is ours (the agent). Checked before anything it
-    sends is unpickled."""
+    another local rank of this job: through torch.distributed, one whose pid the job's
+    store gave (_dist_group); under torchrun, one whose parent is ours (the agent).
+    Checked before anything it sends is unpickled."""
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     pid, uid, _gid = struct.unpack("3i", creds)
     if uid != os.getuid() or pid <= 0:
         return False
-    return pid in _dist_peers or _parent_of(pid) == os.getppid()
+    if _dist_peers:
+        return pid in _dist_peers
+    return _parent_of(pid) == os.getppid()
 
 
 def held_socket(kind: int = socket.SOCK_STREAM) -> socket.socket:

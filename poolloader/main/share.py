@@ -73,8 +73,8 @@ SEND_TIMEOUT_S = 30
 
 
 def members(share_batches) -> list[int] | None:
-    """The global ranks of `share_batches` (a list of ints or a ProcessGroup); None: none,
-    or a ProcessGroup this rank is not in."""
+    """The global ranks of `share_batches` (a list of ints or a ProcessGroup); None: none;
+    []: a ProcessGroup this rank is not in."""
     if share_batches is None:
         return None
     try:
@@ -83,7 +83,7 @@ def members(share_batches) -> list[int] | None:
             return sorted(dist.get_process_group_ranks(share_batches))
         if dist.is_available() and dist.is_initialized() \
                 and share_batches is dist.GroupMember.NON_GROUP_MEMBER:
-            return None  # what new_group(ranks) gives a rank not in `ranks`
+            return []  # what new_group(ranks) gives a rank not in `ranks`: not a member
     except (ImportError, RuntimeError):
         pass
     try:
@@ -102,10 +102,12 @@ def plan(ranks: list[int] | None):
     rank shares its batches with another rank of this node; None otherwise (not under
     torchrun or an initialised torch.distributed, not a member, or the only member
     here): an ordinary loader."""
-    if not ranks:
+    if ranks is None:
         return None
+    # also on a rank outside the group: through torch.distributed every rank of the world
+    # takes part in finding the node, once (node._dist_group)
     group = node.local_group()
-    if group is None or group.ranks is None:
+    if not ranks or group is None or group.ranks is None:
         return None
     rank = group.ranks[group.rank]
     if rank not in ranks:
@@ -135,8 +137,10 @@ def check(loader) -> None:
                          + "; ".join(problems) + ". Or pass share_batches=None.")
 
 
-def _address(run_key: str, leader: int, k: int) -> bytes:
-    return node.rendezvous_address(f"{run_key}/share/{leader}", k)
+def _address(run_key: str, here: tuple[int, ...], k: int) -> bytes:
+    """The group's members on this node are in the name: two groups with the same leader
+    ([0, 1] and [0, 2]) do not meet."""
+    return node.rendezvous_address(f"{run_key}/share/{'-'.join(map(str, here))}", k)
 
 
 def _peer_pid(sock: socket.socket) -> int:
@@ -444,7 +448,8 @@ class ShareFollower(node.Users):
         """Tell the leader which batches this rank dropped: on CUDA, only once the copies
         this rank queued from them have finished (FollowerCuda)."""
         cuda = self.cuda
-        if self._sock is None or not self._released and (cuda is None or not cuda.pending):
+        if self._sock is None or not self._released and (
+                cuda is None or cuda.gate is None or not cuda.gate.pending):
             return
         keys = []
         while self._released:
@@ -643,7 +648,7 @@ def join(loader, share_batches) -> ShareLeader | ShareFollower | None:
     os.environ[node.RANK_PID_ENV] = str(os.getpid())  # this process's children are not ranks
     leader, rank, followers, run_key = found
     here = (leader, *followers)
-    address = _address(run_key, leader, next(_ordinals.setdefault(here, itertools.count())))
+    address = _address(run_key, here, next(_ordinals.setdefault(here, itertools.count())))
     timeout = node.rendezvous_timeout()
     side: ShareLeader | ShareFollower
     if rank == leader:
