@@ -26,6 +26,17 @@ def _slot_tensor(mapping: Mapping) -> torch.Tensor:
     return torch.frombuffer(memoryview(mapping), dtype=torch.uint8)
 
 
+def _a_queued_copy(slot: int):
+    """(sim, the follower's CUDA side, a registered mapping for `slot`, the side stream,
+    the device tensor of a copy from the mapping still queued on that stream)."""
+    sim = SimCuda()
+    cuda = FollowerCuda(SlotGate(sim), None)
+    mapping = _mapping()
+    cuda.register(mapping, slot)
+    stream = sim.stream(0, "side")
+    return sim, cuda, mapping, stream, sim.copy(_slot_tensor(mapping), stream)
+
+
 def test_each_mapping_is_registered_once_and_unregistered_after_its_copies():
     sim = SimCuda()
     cuda = FollowerCuda(SlotGate(sim), None)
@@ -56,12 +67,7 @@ def test_each_mapping_is_registered_once_and_unregistered_after_its_copies():
 
 
 def test_a_release_waits_for_the_copies_queued_before_it():
-    sim = SimCuda()
-    cuda = FollowerCuda(SlotGate(sim), None)
-    mapping = _mapping()
-    cuda.register(mapping, 2)
-    stream = sim.stream(0, "side")
-    out = sim.copy(_slot_tensor(mapping), stream)
+    sim, cuda, mapping, stream, out = _a_queued_copy(2)
     assert cuda.release((1, 2, 0), False) == []  # the batch died, its copy has not run
     assert cuda.release((1, 3, 0), True) == []  # behind the first (release order)
     assert cuda.pending == 2
@@ -80,12 +86,7 @@ def test_a_release_waits_for_the_copies_queued_before_it():
 
 def test_close_makes_no_cuda_call_and_the_next_gate_finishes_it():
     from poolloader.cuda import gate
-    sim = SimCuda()
-    cuda = FollowerCuda(SlotGate(sim), None)
-    mapping = _mapping()
-    cuda.register(mapping, 0)
-    stream = sim.stream(0, "side")
-    sim.copy(_slot_tensor(mapping), stream)
+    sim, cuda, mapping, _stream, _out = _a_queued_copy(0)
     cuda.release((1, 0, 0), False)
     before = len(sim.calls)
     cuda.close()  # as from a finaliser
