@@ -114,8 +114,10 @@ class PoolLoader(DataLoader[T_co]):
                   differs). Needs a map-style dataset, in_order=True and memfd;
                   on CUDA each rank registers its own mapping of the slots,
                   and a slot is reused only after every rank's copies from it
-                  finished (docs/node.md). A rank not
-                  in the list, or alone in it on its node, loads as usual.
+                  finished (docs/node.md). Each rank resumes from its own
+                  state_dict(); a follower's is tracked from the leader's
+                  slots. A rank not in the list, or alone in it on its node,
+                  loads as usual.
     Nothing is created until the loader is iterated (with node_pool under torchrun,
     local rank 0 starts the node's processes as the loader is built). `stats` holds counters;
     `stats.advice()` reads them: which side is the bottleneck, what to change.
@@ -215,17 +217,20 @@ class PoolLoader(DataLoader[T_co]):
             it = SingleProcessIter(self, self._take_resume_plan())
             self._resume_tracker = it
             return it
-        if getattr(self._share, "role", None) == "follower":
-            from poolloader.main.share import FollowerIter
-            return FollowerIter(self, self._share)
         from poolloader.main.iterator import PoolLoaderIter
+        from poolloader.main.share import FollowerIter
         from poolloader.resume.tracker import continues_epoch
-        self.check_worker_number_rationality()
+        follower = getattr(self._share, "role", None) == "follower"
+        if not follower:
+            self.check_worker_number_rationality()
         # An iterator draws its base seed from the global RNG; one that continues a
         # saved epoch must not: that draw was made when the epoch began.
         caller_rng = torch.get_rng_state() if continues_epoch(self._resume_plan) else None
         try:
-            it = PoolLoaderIter(self, self._take_resume_plan())
+            if follower:
+                it = FollowerIter(self, self._share, self._take_resume_plan())
+            else:
+                it = PoolLoaderIter(self, self._take_resume_plan())
         finally:
             if caller_rng is not None:
                 torch.set_rng_state(caller_rng)
@@ -244,14 +249,6 @@ class PoolLoader(DataLoader[T_co]):
         worker. `{}` before the first iteration, and with `stateful=False` (no
         worker captured anything to resume from).
         """
-        if getattr(self._share, "role", None) == "follower":
-            if not self._warned_stateless:
-                self._warned_stateless = True
-                warn("PoolLoader(share_batches=...): this rank follows another rank's batches "
-                     "and keeps no resume state of its own, so state_dict() returns {} (not "
-                     "built yet); resume the group's leader, and start the followers' epoch "
-                     "where it resumes")
-            return {}
         if self._resume_plan is not None:  # loaded, not iterated yet
             return self._resume_plan if self.num_workers == 0 else self._resume_plan.state
         if self._resume_tracker is None:

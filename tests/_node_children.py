@@ -185,6 +185,17 @@ def same(a, b) -> bool:
         for x, y in zip(a, b))
 
 
+def same_state(a, b) -> bool:
+    """Two state_dict()s hold the same values (tensors compared by value)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
 class Counted(Augmented):
     """Augmented, and each __getitem__ appends a byte to OUT/calls.<phase>.<pid>."""
 
@@ -422,6 +433,36 @@ def main() -> dict:
         got = restarted(PoolLoader, share_batches=SHARE_GROUP)
         meet("done")
         return {"equal": same([expected], [got]), "batches": len(got)}
+    if CASE == "share_resume":
+        # two batches, state_dict() on both ranks, a new loader each from its state:
+        # the rest of the epoch and the next equal DataLoader's uninterrupted run, and
+        # the follower's state is its leader's
+        persistent = ARG == "1"
+        torch.manual_seed(0)  # the same global RNGs on both ranks, whose states it keeps
+        random.seed(0)
+        np.random.seed(0)
+        expected = epochs(shared_loader(DataLoader, "torch", persistent))
+        made, sampler = shared_loader(PoolLoader, "pool", persistent, share_batches=SHARE_GROUP)
+        sampler.set_epoch(0)
+        it = iter(made)
+        first = [[t.clone() for t in next(it)] for _ in range(2)]
+        state = made.state_dict()
+        torch.save(state, os.path.join(OUT, f"state.{RANK}.pt"))
+        meet("saved")
+        theirs = torch.load(os.path.join(OUT, f"state.{1 - RANK}.pt"), weights_only=True)
+        role = made._share.role
+        del it, made
+        gc.collect()
+        again, sampler = shared_loader(PoolLoader, "pool", persistent, share_batches=SHARE_GROUP)
+        again.load_state_dict(state)
+        got = []
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            got.append([[t.clone() for t in b] for b in again])
+        got[0] = first + got[0]
+        meet("done")
+        return {"equal": same(expected, got), "role": role,
+                "same_state": same_state(state, theirs), "batches": [len(e) for e in got]}
     if CASE == "share_two_groups":
         # groups [0, 1] and [0, 2], both led by rank 0: each meets its own followers
         def one(cls, **kw):

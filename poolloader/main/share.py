@@ -55,6 +55,7 @@ from poolloader.cuda import gate
 from poolloader.errors import WorkerDied, warn
 from poolloader.main import node
 from poolloader.main.share_cuda import FollowerCuda
+from poolloader.resume.tracker import IteratorSetup, ResumeTracker
 from poolloader.shm import fork
 from poolloader.shm._shm import Mapping
 from poolloader.wire import codec
@@ -590,29 +591,58 @@ def _short(index) -> str:
 
 
 class FollowerIter(_BaseDataLoaderIter):
-    """A follower's iterator: its own sampler's batches, decoded from its leader's slots."""
+    """A follower's iterator: its own sampler's batches, decoded from its leader's slots.
 
-    def __init__(self, loader, link: ShareFollower) -> None:
+    It keeps its own resume state (poolloader.resume.tracker), fed with the records the
+    leader's workers wrote into the same slots: its `state_dict()` is the leader's at the
+    same step, and a loaded one positions its sampler where the leader resumes."""
+
+    def __init__(self, loader, link: ShareFollower, resume_plan=None) -> None:
         self._link = link  # the loader's side of its group (join)
         link.acquire()  # the loader may go before this iterator
         weakref.finalize(self, link.release)
         super().__init__(loader)
+        setup = IteratorSetup(self._num_workers, self._base_seed, True, self._persistent_workers,
+                              self._dataset_kind, self._index_sampler, self._shared_seed,
+                              self._IterableDataset_len_called)
+        self._resume = ResumeTracker(setup, loader, resume_plan)
+        self._base_seed = self._resume.base_seed
+        self._stateful = loader.stateful
         # pinning or device= copies as an ordinary iterator's, with the link's gate
         cuda = link.cuda_side(loader, self._pin_memory, getattr(self, "_pin_memory_device", None))
         self._stager = cuda.stager
         self._small_buffer = cuda.gate.small_buffer if cuda.gate is not None else None
         if self._stager is not None:
             self._stager.reset()  # an earlier iterator's staged batch: given back
-        self._epoch = self._link.begin_epoch()
-        self._n = 0
+        self._reset(loader, first_iter=True)
+
+    @property
+    def resume_tracker(self) -> ResumeTracker:
+        return self._resume
 
     def _reset(self, loader, first_iter=False) -> None:
+        self._resume.begin_epoch()  # before the sampler's iterator draws anything
         super()._reset(loader, first_iter)
-        if not first_iter:
-            if self._stager is not None:
-                self._stager.reset()  # a staged batch's slot cools behind its copy event
-            self._epoch = self._link.begin_epoch()
+        if not first_iter and self._stager is not None:
+            self._stager.reset()  # a staged batch's slot cools behind its copy event
+        self._epoch = self._link.begin_epoch()
         self._n = 0
+        resumed = self._resume.position_epoch(self._sampler_iter, first_iter)
+        if resumed is not None:
+            self._sampler_iter = resumed.sampler_iter
+            self._num_yielded = resumed.yielded
+
+    def __next__(self):
+        try:
+            data = super().__next__()
+        except StopIteration:
+            self._resume.finish()
+            raise
+        except BaseException:
+            self._resume.raised(staged=self._stager is not None)
+            raise
+        self._resume.commit()
+        return data
 
     def _next_data(self):
         if self._stager is None:
@@ -622,10 +652,14 @@ class FollowerIter(_BaseDataLoaderIter):
     def _next_host(self):
         link = self._link
         link.flush()
-        index = self._next_index()  # StopIteration: this rank's epoch is over
-        mapping, key = link.receive(self._epoch, self._n, index)
+        n = self._n
+        # in order, so the leader's batch n answers its request n, as here
+        index = self._resume.next_index(self._sampler_iter, n)  # StopIteration: epoch over
+        mapping, key = link.receive(self._epoch, n, index)
         self._n += 1
         header = fmt.header_view(mapping)
+        record = fmt.reply_state(mapping, header) or None if self._stateful else None
+        self._resume.received(int(header[fmt.F_WORKER]), n, record, fmt.reply_is_error(header))
         payload, lease = codec.decode(mapping, header, link.leases, link.on_release, key,
                                       small_buffer=self._small_buffer)
         del lease
