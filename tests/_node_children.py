@@ -436,30 +436,47 @@ def main() -> dict:
     if CASE == "share_resume":
         # two batches, state_dict() on both ranks, a new loader each from its state:
         # the rest of the epoch and the next equal DataLoader's uninterrupted run, and
-        # the follower's state is its leader's
-        persistent = ARG == "1"
+        # the follower's state is its leader's. "2": persistent workers, epoch 0 left
+        # after two batches (its undelivered batches move the workers' state), the
+        # states taken two batches into epoch 1
+        persistent, left = ARG in ("1", "2"), ARG == "2"
         torch.manual_seed(0)  # the same global RNGs on both ranks, whose states it keeps
         random.seed(0)
         np.random.seed(0)
-        expected = epochs(shared_loader(DataLoader, "torch", persistent))
+
+        def run(made, sampler, save=None):
+            out = []
+            for epoch in range(2):
+                sampler.set_epoch(epoch)
+                batches = []
+                for batch in made:
+                    batches.append([t.clone() for t in batch])
+                    if len(batches) == 2 and (left and epoch == 0 or save and epoch == left):
+                        break
+                out.append(batches)
+                if save and epoch == left:
+                    return out
+            return out
+
+        expected = run(*shared_loader(DataLoader, "torch", persistent))
         made, sampler = shared_loader(PoolLoader, "pool", persistent, share_batches=SHARE_GROUP)
-        sampler.set_epoch(0)
-        it = iter(made)
-        first = [[t.clone() for t in next(it)] for _ in range(2)]
+        got = run(made, sampler, save=True)
         state = made.state_dict()
         torch.save(state, os.path.join(OUT, f"state.{RANK}.pt"))
         meet("saved")
         theirs = torch.load(os.path.join(OUT, f"state.{1 - RANK}.pt"), weights_only=True)
         role = made._share.role
-        del it, made
+        del made
         gc.collect()
         again, sampler = shared_loader(PoolLoader, "pool", persistent, share_batches=SHARE_GROUP)
         again.load_state_dict(state)
-        got = []
-        for epoch in range(2):
+        for epoch in range(left, 2):
             sampler.set_epoch(epoch)
-            got.append([[t.clone() for t in b] for b in again])
-        got[0] = first + got[0]
+            rest = [[t.clone() for t in b] for b in again]
+            if epoch == left:
+                got[-1] += rest
+            else:
+                got.append(rest)
         meet("done")
         return {"equal": same(expected, got), "role": role,
                 "same_state": same_state(state, theirs), "batches": [len(e) for e in got]}

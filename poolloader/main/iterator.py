@@ -273,10 +273,11 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         """Take back every slot of the previous epoch (persistent workers)."""
         ledger = self._ledger
         ledger.settle()
+        told = []  # what the resume state learned: a share_batches group's followers too
         for info in self._task_info.values():  # taken, never delivered: their workers moved on
             if len(info) == 2:
-                self._resume.seen(info[0], fmt.reply_seq(ledger.header(info[1])),
-                                  self._reply_record(info[1]))
+                told.append(self._resume.seen(info[0], fmt.reply_seq(ledger.header(info[1])),
+                                              self._reply_record(info[1])))
         self._task_info = {}
         while ledger.inflight:  # popped replies (ledger.returned) first, then the workers'
             slot, _worker = self._wait_returned()
@@ -284,10 +285,13 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
             if fmt.reply_status(ledger.header(slot), slot, seq, worker) == fmt.ST_GROW:
                 self._grow_and_resend(slot)
                 continue
-            self._resume.seen(worker, seq, self._reply_record(slot))
+            told.append(self._resume.seen(worker, seq, self._reply_record(slot)))
             del ledger.inflight[slot]
             ledger.returned.popleft()
         ledger.reset_free()
+        told = [t for t in told if t is not None]
+        if self._share is not None and told:
+            self._share.tell_seen(self._share_epoch, told)
 
     def _dead_message(self) -> str:
         what = f" ({self._fatal})" if self._fatal else " (or by interpreter exit)"

@@ -315,12 +315,24 @@ class ShareLeader(node.Users):
             self._ended = True
             self._broadcast(("end", self._epoch, self._n))
 
+    def tell_seen(self, epoch: int, told: list) -> None:
+        """Before `epoch`'s first batch: the replies of the last epoch the leader took
+        back undelivered, for each follower's resume state (FollowerIter)."""
+        if epoch != self._epoch:
+            return
+        for one in told:  # one a message: each record is small (bounded by _MAX_MESSAGE)
+            body = _pack(("seen", self._epoch, one))
+            if len(body) <= _MAX_MESSAGE:
+                self._broadcast_body(body)
+
     def fail(self, epoch: int, why: str) -> None:
         if epoch == self._epoch:
             self._broadcast(("failed", why))
 
     def _broadcast(self, message) -> None:
-        body = _pack(message)
+        self._broadcast_body(_pack(message))
+
+    def _broadcast_body(self, body: bytes) -> None:
         for f in list(self._followers):
             try:
                 f.sock.send(body)
@@ -502,11 +514,16 @@ class ShareFollower(node.Users):
                              "exited or closed its loader")
         return pickle.loads(data), fds
 
-    def receive(self, epoch: int, n: int, index):
-        """(mapping, key) of this epoch's batch `n`, whose indices must be `index`."""
+    def receive(self, epoch: int, n: int, index, tracker):
+        """(mapping, key) of this epoch's batch `n`, whose indices must be `index`;
+        `tracker` (the iterator's ResumeTracker) learns what the leader's learned."""
         while True:
             message, fds = self._recv()
             kind = message[0]
+            if kind == "seen" and message[1] <= epoch:
+                if message[1] == epoch:  # else an epoch this rank left: its state moved on
+                    tracker.learned([message[2]])
+                continue
             if kind == "failed":
                 raise RuntimeError(f"PoolLoader(share_batches=...): rank {self.leader}, whose "
                                    f"batches this rank shares, failed: {message[1]}")
@@ -529,8 +546,8 @@ class ShareFollower(node.Users):
                 if their_epoch < epoch:  # an epoch this rank left early: not consumed
                     self._send_back(key)
                     continue
-            else:  # "end"
-                _, their_epoch, k = message
+            else:  # "end", or a later epoch's "seen"
+                their_epoch = message[1]
                 if their_epoch < epoch:
                     continue
             if their_epoch > epoch or kind == "end":
@@ -655,7 +672,7 @@ class FollowerIter(_BaseDataLoaderIter):
         n = self._n
         # in order, so the leader's batch n answers its request n, as here
         index = self._resume.next_index(self._sampler_iter, n)  # StopIteration: epoch over
-        mapping, key = link.receive(self._epoch, n, index)
+        mapping, key = link.receive(self._epoch, n, index, self._resume)
         self._n += 1
         header = fmt.header_view(mapping)
         record = fmt.reply_state(mapping, header) or None if self._stateful else None

@@ -293,12 +293,24 @@ class ResumeTracker:
         elif not staged:
             self.handing.clear()
 
-    def seen(self, worker: int, seq: int, blob) -> None:
+    def seen(self, worker: int, seq: int, blob):
         """A reply of `worker` that is not delivered (an END, one reclaimed at an
-        epoch's end)."""
+        epoch's end). Returns what a share_batches follower's `learned` needs of it
+        (worker, seq, record, indices), or None if it moved nothing."""
         index = self.sent.pop(seq, None)
         if blob is not None and seq > self.latest[worker][0]:
             self.latest[worker] = (seq, self._advance(self.latest[worker][1], index, blob))
+            return worker, seq, blob, index
+        return None
+
+    def learned(self, told) -> None:
+        """A share_batches follower's tracker, at the start of an epoch of persistent
+        workers: the replies (worker, seq, record, index) the leader reclaimed, never
+        delivered, at the end of the last one (its `seen` calls there), in its order."""
+        for worker, _seq, blob, index in told:
+            position = self._advance(self.epoch_blob[worker], index, blob)
+            self.epoch_blob[worker] = position
+            self.latest[worker] = (-1, position)
 
     def _advance(self, position: Position | None, index, blob: bytes) -> Position:
         """The worker's Position after its reply to `index` with record `blob`."""
