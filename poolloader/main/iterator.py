@@ -273,6 +273,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         """Take back every slot of the previous epoch (persistent workers)."""
         ledger = self._ledger
         ledger.settle()
+        self._resume.settle_handing()  # a staged batch's reply came before these
         told = []  # what the resume state learned: a share_batches group's followers too
         for info in self._task_info.values():  # taken, never delivered: their workers moved on
             if len(info) == 2:

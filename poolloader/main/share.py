@@ -178,6 +178,7 @@ class ShareLeader(node.Users):
         self._followers: list[_Follower] = []
         self._lock = threading.Lock()
         self._closed = False
+        self._warned_large = False  # tell_seen: a record too large to tell
         self._refused: list[str] = []
         self.ledger: Any = None  # the current iterator's SlotLedger (its `shared` counts)
         self._pool_id = 0  # one per ledger: a late release of an older pool's slot is stale
@@ -297,16 +298,18 @@ class ShareLeader(node.Users):
                 else:
                     f.sock.send(body)
             except BlockingIOError:
-                raise RuntimeError(
-                    f"PoolLoader(share_batches=...): rank {f.rank} (pid {f.pid}) has not taken "
-                    f"the batches rank {self.rank} shared with it for {SEND_TIMEOUT_S} s; the "
-                    "ranks of a "
-                    "share_batches group must consume the same batches at the same pace") from None
+                raise self._stuck(f) from None
             except OSError:
                 self._gone(f)
                 continue
             f.held[key] += 1
             self.ledger.share_out(slot, generation)
+
+    def _stuck(self, f: _Follower) -> RuntimeError:
+        return RuntimeError(
+            f"PoolLoader(share_batches=...): rank {f.rank} (pid {f.pid}) has not taken the "
+            f"batches rank {self.rank} shared with it for {SEND_TIMEOUT_S} s; the ranks of a "
+            "share_batches group must consume the same batches at the same pace")
 
     def end_epoch(self, epoch: int) -> None:
         """The leader's `epoch` ended (or its iterator stopped): once, and only while
@@ -320,19 +323,32 @@ class ShareLeader(node.Users):
         back undelivered, for each follower's resume state (FollowerIter)."""
         if epoch != self._epoch:
             return
-        for one in told:  # one a message: each record is small (bounded by _MAX_MESSAGE)
+        for one in told:  # one a message: a record is a few KB (its RNG states)
             body = _pack(("seen", self._epoch, one))
-            if len(body) <= _MAX_MESSAGE:
-                self._broadcast_body(body)
+            if len(body) > _MAX_MESSAGE:
+                if not self._warned_large:
+                    self._warned_large = True
+                    warn(f"PoolLoader(share_batches=...): a worker's resume record of "
+                         f"{len(body)} bytes is over the {_MAX_MESSAGE} a message to the "
+                         "followers may take, so their state_dict() lacks a batch their "
+                         "leader's workers made and never delivered: it resumes a follower "
+                         "exactly, not the rank that leads; keep the dataset's state_dict() "
+                         "small or pass a larger snapshot_every_n_steps=")
+                continue
+            for f in list(self._followers):
+                try:
+                    f.sock.send(body)
+                except BlockingIOError:
+                    raise self._stuck(f) from None
+                except OSError:
+                    self._gone(f)
 
     def fail(self, epoch: int, why: str) -> None:
         if epoch == self._epoch:
             self._broadcast(("failed", why))
 
     def _broadcast(self, message) -> None:
-        self._broadcast_body(_pack(message))
-
-    def _broadcast_body(self, body: bytes) -> None:
+        body = _pack(message)
         for f in list(self._followers):
             try:
                 f.sock.send(body)
@@ -521,8 +537,9 @@ class ShareFollower(node.Users):
             message, fds = self._recv()
             kind = message[0]
             if kind == "seen" and message[1] <= epoch:
-                if message[1] == epoch:  # else an epoch this rank left: its state moved on
-                    tracker.learned([message[2]])
+                # also an earlier epoch's: this rank read no batch since (each follows
+                # its epoch's "seen" on the socket), so its state is where it was then
+                tracker.learned([message[2]])
                 continue
             if kind == "failed":
                 raise RuntimeError(f"PoolLoader(share_batches=...): rank {self.leader}, whose "

@@ -195,14 +195,21 @@ class ResumeTracker:
         generators stand, i.e. what the sampler will draw from."""
         self._next_epoch_rng = main_rng(self.generators)
 
+    def settle_handing(self) -> None:
+        """At an epoch's end, the replies taken and not handed over (a batch staged by
+        device=) count as seen: before the replies reclaimed after them (their seqs
+        are lower), so each worker's replays stay in its fetch order."""
+        for worker, seq, blob, _error in self.handing:
+            self.seen(worker, seq, blob)
+        self.handing.clear()
+
     def position_epoch(self, sampler_iter: Iterator, first: bool) -> Resumed | None:
         """After the previous epoch's replies are all in (persistent workers) and the
         epoch's sampler iterator and round robin exist, before the first request.
         A later epoch of persistent workers starts each worker where its last reply
         left it. A loaded state is applied here (sampler, round robin, counters)."""
         if not first:
-            for worker, seq, blob, _error in self.handing:
-                self.seen(worker, seq, blob)
+            self.settle_handing()
             self.epoch_blob = [blob for _seq, blob in self.latest]
             self._new_epoch_counters()
         self.epoch_rng = self._next_epoch_rng
