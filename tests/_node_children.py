@@ -213,11 +213,23 @@ class Counted(Augmented):
 SHARE_GROUP = [0, 1]
 
 
-def shared_loader(cls, phase, persistent=False, n=N_SAMPLES, seed=5, batch_size=BATCH, **kw):
+class CountedWithState(Counted):
+    """Counted, with a state_dict(): a worker's resume records then carry replay lists
+    between snapshots (PoolLoader(snapshot_every_n_steps=))."""
+
+    def state_dict(self):
+        return {"n": len(self)}
+
+    def load_state_dict(self, state):
+        assert state == {"n": len(self)}
+
+
+def shared_loader(cls, phase, persistent=False, n=N_SAMPLES, seed=5, batch_size=BATCH,
+                  dataset_cls=Counted, **kw):
     """Ranks 0 and 1 are data-parallel rank 0 of 2 (the same sampler and generator), rank
     2 is data-parallel rank 1."""
     dp_rank = 0 if RANK in SHARE_GROUP else 1
-    dataset = Counted(phase, n)
+    dataset = dataset_cls(phase, n)
     sampler = DistributedSampler(dataset, num_replicas=2, rank=dp_rank, shuffle=True, seed=seed)
     return cls(dataset, batch_size=batch_size, sampler=sampler, num_workers=WORKERS,
                worker_init_fn=init_fn, persistent_workers=persistent,
@@ -438,8 +450,11 @@ def main() -> dict:
         # the rest of the epoch and the next equal DataLoader's uninterrupted run, and
         # the follower's state is its leader's. "2": persistent workers, epoch 0 left
         # after two batches (its undelivered batches move the workers' state), the
-        # states taken two batches into epoch 1
+        # states taken two batches into epoch 1, with device= (a batch staged ahead)
+        # and a dataset state_dict() (records with replays between snapshots)
         persistent, left = ARG in ("1", "2"), ARG == "2"
+        more = dict(dataset_cls=CountedWithState) if left else {}
+        pool_more = dict(more, device="cpu", snapshot_every_n_steps=50) if left else {}
         torch.manual_seed(0)  # the same global RNGs on both ranks, whose states it keeps
         random.seed(0)
         np.random.seed(0)
@@ -449,6 +464,8 @@ def main() -> dict:
             for epoch in range(2):
                 sampler.set_epoch(epoch)
                 batches = []
+                if left and epoch == 1:
+                    iter(made)  # an epoch begun and left before its first batch
                 for batch in made:
                     batches.append([t.clone() for t in batch])
                     if len(batches) == 2 and (left and epoch == 0 or save and epoch == left):
@@ -458,8 +475,9 @@ def main() -> dict:
                     return out
             return out
 
-        expected = run(*shared_loader(DataLoader, "torch", persistent))
-        made, sampler = shared_loader(PoolLoader, "pool", persistent, share_batches=SHARE_GROUP)
+        expected = run(*shared_loader(DataLoader, "torch", persistent, **more))
+        made, sampler = shared_loader(PoolLoader, "pool", persistent, share_batches=SHARE_GROUP,
+                                      **pool_more)
         got = run(made, sampler, save=True)
         state = made.state_dict()
         torch.save(state, os.path.join(OUT, f"state.{RANK}.pt"))
@@ -468,7 +486,8 @@ def main() -> dict:
         role = made._share.role
         del made
         gc.collect()
-        again, sampler = shared_loader(PoolLoader, "pool", persistent, share_batches=SHARE_GROUP)
+        again, sampler = shared_loader(PoolLoader, "pool", persistent, share_batches=SHARE_GROUP,
+                                       **pool_more)
         again.load_state_dict(state)
         for epoch in range(left, 2):
             sampler.set_epoch(epoch)

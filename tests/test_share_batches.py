@@ -110,9 +110,12 @@ def test_each_rank_resumes_from_its_own_state_dict(tmp_path, arg):
     """Two batches into epoch 0, every rank saves state_dict() and a new loader loads
     it: the rest of epoch 0 and epoch 1 equal DataLoader's uninterrupted run; the
     follower's state (tracked from the records in the leader's slots) is the leader's.
-    "0": persistent off; "2": persistent, epoch 0 left after two batches
-    (the workers' undelivered batches move their state: the leader tells the follower)
-    and the states saved two batches into epoch 1."""
+    "0": persistent off; "2": persistent, epoch 0 left after two batches (the workers'
+    undelivered batches move their state: the leader tells the follower), epoch 1 begun
+    once and left before its first batch, then begun again and the states saved two
+    batches in; with device= (a batch staged ahead) and a dataset state_dict() (replay
+    lists between snapshots). Each of the three fixes that keep the states equal fails
+    this without it."""
     results, codes, logs = _ranks(tmp_path, "share_resume", 2, arg)
     assert codes == [0, 0], logs
     assert [r["role"] for r in results] == ["leader", "follower"]
