@@ -65,6 +65,9 @@ def names_with(prefix: str | None) -> list:
 
 # -- 1. the slot decoder under corrupt input ------------------------------------------------
 
+FUZZ_EXAMPLES = 200
+
+
 def test_decoder_fuzz_never_escapes_the_slot():
     """Hypothesis over real encoded batches (114-tensor RF-DETR, varied structures with
     numpy/sparse/namedtuple/dataclass, slot_collate'd, a worker error): random header
@@ -73,14 +76,17 @@ def test_decoder_fuzz_never_escapes_the_slot():
     raise SlotCorrupt or return views inside the data region, allocating no more tensor
     bytes than the slot holds; never crash, hang (the child's timeout), or reach a side
     effect. Runs in a child: a segfault fails this test, not pytest."""
-    proc = run_child("fuzz", 400, timeout=150)
+    # 200 derandomized examples per strategy (was 400): every outcome class asserted on
+    # below is still reached many times over (skeleton flips -> SlotCorrupt 62, forged
+    # ids -> SlotCorrupt 198), in half the time
+    proc = run_child("fuzz", FUZZ_EXAMPLES, timeout=150)
     print(proc.stdout)
     assert proc.returncode == 0, (
         f"fuzz child exited {proc.returncode}"
         f"{' (' + signal.Signals(-proc.returncode).name + ')' if proc.returncode < 0 else ''}:\n"
         f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     out = figures(proc.stdout)
-    assert int(out["examples"]) >= 5 * 400  # data flips skip the data-less error batch
+    assert int(out["examples"]) >= 5 * FUZZ_EXAMPLES  # data flips skip the data-less error batch
     # Without a matching checksum a flipped skeleton never reaches pickle.
     assert int(out["outcome skeleton bit flips -> SlotCorrupt"]) > 0
     assert not [k for k in out if k.startswith("outcome skeleton bit flips -> decoded")]
