@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -112,6 +113,13 @@ def _run(cmd, cwd, timeout=RUN_TIMEOUT_S):
     return proc.returncode, out, err, proc.pid
 
 
+def _run_together(*cmds, cwd):
+    """`_run` of every command at once (independent runs: their start-ups overlap instead
+    of adding up), each under its own bounded timeout; the results in order."""
+    with ThreadPoolExecutor(len(cmds)) as pool:
+        return [f.result() for f in [pool.submit(_run, cmd, cwd) for cmd in cmds]]
+
+
 def _runner(*args):
     return [sys.executable, "-m", "poolloader", *args]
 
@@ -146,11 +154,12 @@ def both_arms(standin):
     """The training script under `--loader torch` and under the runner (slot_bytes from
     the flag), script arguments that look like runner flags included."""
     arms = {}
-    for arm, flags in (("torch", ["--loader", "torch"]), ("pool", ["--slot-bytes", "65536"])):
+    flags = {"torch": ["--loader", "torch"], "pool": ["--slot-bytes", "65536"]}
+    script = str(standin / "train.py")
+    ran = _run_together(*[_runner(*flags[arm], script, str(standin / f"{arm}.json"), "7",
+                                  "--loader", "x") for arm in flags], cwd=standin)
+    for arm, (rc, _stdout, stderr, pid) in zip(flags, ran):
         out = standin / f"{arm}.json"
-        script = str(standin / "train.py")
-        rc, _stdout, stderr, pid = _run(_runner(*flags, script, str(out), "7", "--loader", "x"),
-                                        cwd=standin)
         assert out.exists(), f"{arm} run wrote nothing (rc {rc}):\n{stderr[-4000:]}"
         result = json.loads(out.read_text())
         arms[arm] = {"rc": rc, "stderr": stderr, "pid": pid, "result": result, "script": script,
@@ -254,8 +263,7 @@ def test_introspection_and_construction_under_the_runner_are_pythons(tmp_path):
     and DataLoader's __new__ hands on to the next __new__ in a subclass's MRO."""
     script = tmp_path / "introspect.py"
     script.write_text(INTROSPECT)
-    plain = _run([sys.executable, str(script)], cwd=tmp_path)
-    ran = _run(_runner(str(script)), cwd=tmp_path)
+    plain, ran = _run_together([sys.executable, str(script)], _runner(str(script)), cwd=tmp_path)
     assert plain[0] == ran[0] == 0, (plain[2][-2000:], ran[2][-2000:])
     assert json.loads(ran[1]) == json.loads(plain[1])
     assert json.loads(ran[1])["mixin_new"] == ["WithMixin"]
@@ -283,13 +291,14 @@ def test_uncaught_exception_keeps_its_traceback_and_exit(tmp_path, error):
 
 
 def test_dash_m_module_runs_as_python_dash_m(standin):
-    plain = _run([sys.executable, "-m", "fakedetr.cli", "a", "--loader"], cwd=standin)
-    ran = _run(_runner("--loader", "torch", "-m", "fakedetr.cli", "a", "--loader"), cwd=standin)
+    plain, ran, failed, plain_failed = _run_together(
+        [sys.executable, "-m", "fakedetr.cli", "a", "--loader"],
+        _runner("--loader", "torch", "-m", "fakedetr.cli", "a", "--loader"),
+        _runner("-m", "fakedetr.cli", "raise"), [sys.executable, "-m", "fakedetr.cli", "raise"],
+        cwd=standin)
     assert ran[0] == plain[0] == 5
     assert json.loads(ran[1]) == json.loads(plain[1])
     assert json.loads(ran[1])["argv"] == [str(standin / "fakedetr" / "cli.py"), "a", "--loader"]
-    failed = _run(_runner("-m", "fakedetr.cli", "raise"), cwd=standin)
-    plain_failed = _run([sys.executable, "-m", "fakedetr.cli", "raise"], cwd=standin)
     assert failed[0] == plain_failed[0] == 1
     assert _without_summary(failed[2]) == plain_failed[2]
 

@@ -87,8 +87,9 @@ def test_nothing_left_behind(runs):
 DDP_RANKS = 2
 DDP_TIMEOUT_S = 180  # one 2-rank job: ~10 s on an idle 2-core machine, ~25 s loaded
 DDP_TERM_GRACE_S = 15
-DDP_STEPS = 12  # per rank: bit-identical losses and 4 reshuffled epochs need no more
-EPOCH_STEPS = 3  # 24 images / 2 ranks / batch 4: 4 epochs
+DDP_IMAGES = 16  # 16 images / 2 ranks / batch 4: epochs of 2 steps
+EPOCH_STEPS = 2
+DDP_STEPS = 4 * EPOCH_STEPS  # per rank: bit-identical losses and 4 reshuffled epochs
 DDP_ARMS = {  # name: (what runs under torchrun, the script's --loader)
     "pool": ([SCRIPT], "pool"),
     "torch": ([SCRIPT], "torch"),
@@ -126,7 +127,7 @@ def _torchrun(arm, data, out, extra=()):
     target, loader = DDP_ARMS[arm]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={DDP_RANKS}", *target, "--loader", loader, "--data", str(data),
-           "--json", str(out / f"{arm}.json"), *ARGS, "--steps", str(DDP_STEPS),
+           "--json", str(out / f"{arm}.json"), *ARGS, "--steps", str(DDP_STEPS), "--images", str(DDP_IMAGES),
            "--persistent-workers", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=ROOT, start_new_session=True)
@@ -148,7 +149,7 @@ def _torchrun(arm, data, out, extra=()):
 @pytest.fixture(scope="module")
 def ddp_runs(tmp_path_factory):
     data = tmp_path_factory.mktemp("ddp-data") / "coco-like"
-    make_coco_like(str(data), 24, seed=3)
+    make_coco_like(str(data), DDP_IMAGES, seed=3)
     out = tmp_path_factory.mktemp("ddp-out")
     return data, {arm: _torchrun(arm, data, out) for arm in DDP_ARMS}
 
@@ -185,7 +186,7 @@ def test_torchrun_ranks_share_each_epoch_and_reshuffle(ddp_runs):
         epochs = []
         for e in range(0, DDP_STEPS, EPOCH_STEPS):
             shares = [sum(ids[e:e + EPOCH_STEPS], []) for ids in per_rank]
-            assert sorted(shares[0] + shares[1]) == list(range(1, 25)), (arm, e, shares)
+            assert sorted(shares[0] + shares[1]) == list(range(1, DDP_IMAGES + 1)), (arm, e, shares)
             epochs.append(shares)
         assert len({str(e) for e in epochs}) == len(epochs), (arm, epochs)  # reshuffled
 
