@@ -539,7 +539,7 @@ class ShareFollower(node.Users):
             if kind == "seen" and message[1] <= epoch:
                 # also an earlier epoch's: this rank read no batch since (each follows
                 # its epoch's "seen" on the socket), so its state is where it was then
-                tracker.learned([message[2]])
+                tracker.learned(*message[2])
                 continue
             if kind == "failed":
                 raise RuntimeError(f"PoolLoader(share_batches=...): rank {self.leader}, whose "
@@ -692,7 +692,7 @@ class FollowerIter(_BaseDataLoaderIter):
         mapping, key = link.receive(self._epoch, n, index, self._resume)
         self._n += 1
         header = fmt.header_view(mapping)
-        record = fmt.reply_state(mapping, header) or None if self._stateful else None
+        record = (fmt.reply_state(mapping, header) or None) if self._stateful else None
         self._resume.received(int(header[fmt.F_WORKER]), n, record, fmt.reply_is_error(header))
         payload, lease = codec.decode(mapping, header, link.leases, link.on_release, key,
                                       small_buffer=self._small_buffer)

@@ -310,14 +310,13 @@ class ResumeTracker:
             return worker, seq, blob, index
         return None
 
-    def learned(self, told) -> None:
+    def learned(self, worker: int, _seq: int, blob: bytes, index) -> None:
         """A share_batches follower's tracker, at the start of an epoch of persistent
-        workers: the replies (worker, seq, record, index) the leader reclaimed, never
-        delivered, at the end of the last one (its `seen` calls there), in its order."""
-        for worker, _seq, blob, index in told:
-            position = self._advance(self.epoch_blob[worker], index, blob)
-            self.epoch_blob[worker] = position
-            self.latest[worker] = (-1, position)
+        workers: one reply the leader reclaimed, never delivered, at the end of the last
+        one (what its `seen` returned there), in the leader's order."""
+        position = self._advance(self.epoch_blob[worker], index, blob)
+        self.epoch_blob[worker] = position
+        self.latest[worker] = (-1, position)
 
     def _advance(self, position: Position | None, index, blob: bytes) -> Position:
         """The worker's Position after its reply to `index` with record `blob`."""
