@@ -387,9 +387,12 @@ def main() -> dict:
         return result
     if CASE == "share_mismatch":
         differs = RANK == 1
-        try:  # ARG "loader": rank 1's batch_size differs (else its sampler's seed)
+        # ARG "loader": rank 1's batch_size differs; "persistent": its persistent_workers
+        # (the batches' indices agree, not their augmentation); else its sampler's seed
+        try:
             pool, _ = shared_loader(PoolLoader, "pool", seed=6 if differs and not ARG else 5,
-                                    batch_size=5 if differs and ARG else BATCH,
+                                    batch_size=5 if differs and ARG == "loader" else BATCH,
+                                    persistent=differs and ARG == "persistent",
                                     share_batches=SHARE_GROUP)
             error, _took = drain(iter(pool))
         except ValueError as e:

@@ -87,16 +87,22 @@ def test_a_follower_whose_sampler_differs_is_told_at_the_first_batch(tmp_path):
     assert "batch 0 of rank 0 holds the samples" in error and "rank 1's sampler gives" in error
 
 
-def test_a_follower_whose_loader_differs_is_refused_at_construction(tmp_path):
-    results, codes, logs = _ranks(tmp_path, "share_mismatch", 2, "loader")
+@pytest.mark.parametrize("arg,follower_says,leader_says", [
+    ("loader", "batch_size: 5 here, 4 on rank 0", "batch_size: 4 here, 5 on rank 1"),
+    # the same indices, but a follower's own DataLoader would augment epoch 1 otherwise
+    ("persistent", "persistent_workers: True here, False on rank 0",
+     "persistent_workers: False here, True on rank 1")])
+def test_a_follower_whose_loader_differs_is_refused_at_construction(
+        tmp_path, arg, follower_says, leader_says):
+    results, codes, logs = _ranks(tmp_path, "share_mismatch", 2, arg)
     assert codes == [0, 0], logs
     follower, leader = results[1]["error"], results[0]["error"]
     assert follower is not None and follower.startswith("constructor: "), logs
-    assert "batch_size: 5 here, 4 on rank 0" in follower, follower
+    assert follower_says in follower, follower
     # the leader's first batch says so at once, not after the rendezvous timeout, in
     # its own words ("here": its value)
     assert leader is not None and "refused a rank of its group" in leader, logs
-    assert "batch_size: 4 here, 5 on rank 1" in leader, leader
+    assert leader_says in leader, leader
 
 
 def test_an_iterator_dropped_after_the_next_one_began_ends_nothing(tmp_path):

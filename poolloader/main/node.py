@@ -198,7 +198,7 @@ def rendezvous_address(run_key: str, k: int) -> bytes:
     return f"\0poolloader-{os.getuid()}-{namespace}-{run}-{k}".encode()
 
 
-def _name(obj) -> str:
+def qualified_name(obj) -> str:
     """module.qualname of a function, or of the class of anything else."""
     if isinstance(obj, type) or not hasattr(obj, "__qualname__"):
         kind = obj if isinstance(obj, type) else type(obj)
@@ -212,8 +212,8 @@ def fingerprint(loader, processes: int) -> dict:
         length = len(loader.dataset)
     except Exception:
         length = None
-    return {"dataset": _name(type(loader.dataset)), "len(dataset)": length,
-            "collate_fn": _name(loader.collate_fn), "batch_size": loader.batch_size,
+    return {"dataset": qualified_name(type(loader.dataset)), "len(dataset)": length,
+            "collate_fn": qualified_name(loader.collate_fn), "batch_size": loader.batch_size,
             "drop_last": loader.drop_last, "num_workers": loader.num_workers,
             "node_workers": processes}
 

@@ -32,7 +32,8 @@ namespace, torchrun's agent, run id, node rank and restart, the leader's rank an
 loader's ordinal among this process's share_batches loaders; both ends check the peer
 (SO_PEERCRED) before anything is unpickled, and a follower whose loader differs from
 the leader's (dataset class and length, collate_fn, batch_size, drop_last,
-num_workers) is refused at construction.
+num_workers, worker_init_fn, persistent_workers, the resume options: `fingerprint`) is
+refused at construction.
 """
 from __future__ import annotations
 
@@ -138,6 +139,18 @@ def check(loader) -> None:
                          + "; ".join(problems) + ". Or pass share_batches=None.")
 
 
+def fingerprint(loader) -> dict:
+    """What the loaders of a group must agree on: the node pool's (what the batches are
+    made of), and what else makes a follower's own DataLoader batches (or its
+    state_dict()) other than its leader's: a worker_init_fn, persistent workers (an
+    epoch's augmentation continues the last one's RNG), the resume options."""
+    mine = node.fingerprint(loader, loader.node_workers)
+    mine.update({"worker_init_fn": node.qualified_name(loader.worker_init_fn),
+                 "persistent_workers": loader.persistent_workers, "stateful": loader.stateful,
+                 "snapshot_every_n_steps": loader.snapshot_every_n_steps})
+    return mine
+
+
 def _address(run_key: str, here: tuple[int, ...], k: int) -> bytes:
     """The group's members on this node are in the name: two groups with the same leader
     ([0, 1] and [0, 2]) do not meet."""
@@ -173,7 +186,7 @@ class ShareLeader(node.Users):
     def __init__(self, loader, address: bytes, rank: int, followers: list[int], timeout: float):
         self.rank = rank
         self.expected = list(followers)
-        self._mine = node.fingerprint(loader, loader.node_workers)
+        self._mine = fingerprint(loader)
         self._timeout = timeout
         self._followers: list[_Follower] = []
         self._lock = threading.Lock()
@@ -448,7 +461,7 @@ class ShareFollower(node.Users):
                                    "a process that is not a local rank of this job")
             self.leader_pid = _peer_pid(sock)
             sock.settimeout(max(1.0, deadline - time.monotonic()))
-            sock.send(_pack({"fingerprint": node.fingerprint(loader, loader.node_workers),
+            sock.send(_pack({"fingerprint": fingerprint(loader),
                              "rank": rank}))
             answer = pickle.loads(sock.recv(_MAX_MESSAGE))
             if answer[0] == "refused":
