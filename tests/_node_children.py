@@ -448,6 +448,33 @@ def main() -> dict:
         got = restarted(PoolLoader, share_batches=SHARE_GROUP)
         meet("done")
         return {"equal": same([expected], [got]), "batches": len(got)}
+    if CASE == "share_interrupt":
+        # the follower is interrupted (KeyboardInterrupt from a signal handler) while it
+        # waits for batch 1, which the leader delivers only after that; next() again
+        # waits for the same batch, and the epoch is DataLoader's
+        expected = epochs(shared_loader(DataLoader, "torch"), n=1)[0]
+        made, sampler = shared_loader(PoolLoader, "pool", share_batches=SHARE_GROUP)
+        it = iter(made)
+        got = [[t.clone() for t in next(it)]]
+        interrupted = False
+        if RANK == 1:
+            def interrupt(_signum, _frame):
+                raise KeyboardInterrupt
+            previous = signal.signal(signal.SIGALRM, interrupt)
+            signal.setitimer(signal.ITIMER_REAL, 0.3)
+            try:
+                got.append([t.clone() for t in next(it)])
+            except KeyboardInterrupt:
+                interrupted = True
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, previous)
+            note("interrupted", interrupted)
+        else:
+            read("interrupted", 1)  # batch 1 is published only once rank 1 was interrupted
+        got += [[t.clone() for t in b] for b in it]
+        meet("done")
+        return {"equal": same([expected], [got]), "interrupted": interrupted}
     if CASE == "share_resume":
         # two batches, state_dict() on both ranks, a new loader each from its state:
         # the rest of the epoch and the next equal DataLoader's uninterrupted run, and

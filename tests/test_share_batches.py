@@ -111,6 +111,14 @@ def test_an_iterator_dropped_after_the_next_one_began_ends_nothing(tmp_path):
     assert all(r["equal"] and r["batches"] == 6 for r in results), (results, logs)
 
 
+def test_a_follower_interrupted_while_it_waits_gets_the_same_batch_on_the_next_call(tmp_path):
+    results, codes, logs = _ranks(tmp_path, "share_interrupt", 2)
+    assert codes == [0, 0], logs
+    assert results[1]["interrupted"], logs
+    for rank, r in enumerate(results):
+        assert r["equal"], f"rank {rank}: its batches differ from its DataLoader's\n{logs}"
+
+
 @pytest.mark.parametrize("arg", ["0", "2"])
 def test_each_rank_resumes_from_its_own_state_dict(tmp_path, arg):
     """Two batches into epoch 0, every rank saves state_dict() and a new loader loads

@@ -674,6 +674,9 @@ class FollowerIter(_BaseDataLoaderIter):
             self._stager.reset()  # a staged batch's slot cools behind its copy event
         self._epoch = self._link.begin_epoch()
         self._n = 0
+        # the indices drawn for batch self._n whose receive() raised (an interrupt or
+        # timeout= while waiting, before its message was read): a retry waits for it again
+        self._drawn: object | None = None
         resumed = self._resume.position_epoch(self._sampler_iter, first_iter)
         if resumed is not None:
             self._sampler_iter = resumed.sampler_iter
@@ -700,9 +703,14 @@ class FollowerIter(_BaseDataLoaderIter):
         link = self._link
         link.flush()
         n = self._n
-        # in order, so the leader's batch n answers its request n, as here
-        index = self._resume.next_index(self._sampler_iter, n)  # StopIteration: epoch over
+        if self._drawn is not None:
+            index = self._drawn  # as DataLoader's retry waits for the same batch
+        else:
+            # in order, so the leader's batch n answers its request n, as here
+            index = self._resume.next_index(self._sampler_iter, n)  # StopIteration: epoch over
+            self._drawn = index
         mapping, key = link.receive(self._epoch, n, index, self._resume)
+        self._drawn = None
         self._n += 1
         header = fmt.header_view(mapping)
         record = (fmt.reply_state(mapping, header) or None) if self._stateful else None
