@@ -254,14 +254,21 @@ def children() -> list:
 
 def main() -> dict:
     if CASE == "parity":
-        persistent = ARG == "1"
+        # ARG "<persistent>[:<node_workers>]"
+        persistent, _, processes = ARG.partition(":")
+        persistent = persistent == "1"
         expected = epochs(loader(DataLoader, persistent))
         seen = {}
-        pool = loader(PoolLoader, persistent, node_pool=True)
+        pool = loader(PoolLoader, persistent, node_pool=True,
+                      node_workers=int(processes) if processes else None)
         got = epochs(pool, during=lambda: seen.update(children=children()))
+        kept = pool[0]._iterator  # persistent workers: the epochs' one iterator
         result = {"equal": same(expected, got), "batches": len(got[0]),
                   "children": seen["children"], "node_pids": pool[0]._node.pids,
-                  "host": pool[0]._node.host_pid}
+                  "host": pool[0]._node.host_pid,
+                  "in_flight": kept and kept._max_in_flight,
+                  "slots": kept and kept._pool.num_slots}
+        del kept
         meet("done")
         return result
     if CASE == "iterable":
@@ -270,7 +277,7 @@ def main() -> dict:
         expected = [[t.clone() for t in b] for b in DataLoader(
             Shards(), batch_size=3, num_workers=WORKERS, generator=seeded())]
         pool = PoolLoader(Shards(), batch_size=3, num_workers=WORKERS, generator=seeded(),
-                          node_pool=True)
+                          node_pool=True, node_workers=int(ARG) if ARG else None)
         got = [[t.clone() for t in b] for b in pool]
         meet("done")  # the host's loader lives until every rank is done, as in training
         return {"equal": same([expected], [got]), "batches": len(got)}
@@ -295,12 +302,14 @@ def main() -> dict:
         meet("done")
         return {"error": error, "took": took}
     if CASE == "resume":
+        # ARG: node_workers (default num_workers)
+        more = dict(node_workers=int(ARG)) if ARG else {}
         expected = epochs(loader(DataLoader), n=1)[0]
-        first, _ = loader(PoolLoader, node_pool=True)
+        first, _ = loader(PoolLoader, node_pool=True, **more)
         it = iter(first)
         head = [[t.clone() for t in next(it)] for _ in range(3)]
         state = first.state_dict()
-        again, _ = loader(PoolLoader, node_pool=True)  # the next node-pool loader of every rank
+        again, _ = loader(PoolLoader, node_pool=True, **more)  # every rank's next one
         again.load_state_dict(state)
         rest = [[t.clone() for t in b] for b in again]
         meet("done")
