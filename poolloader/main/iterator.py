@@ -119,12 +119,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         hosts = loader.node_workers if loader.node_workers not in (None, n) else 0
         if self._node is not None:
             hosts = 0  # the node's processes wait on the node segment's doorbells
-        # requests kept in flight: DataLoader's prefetch_factor × num_workers; a node
-        # pool's rank its share of the node's (poolloader.main.node: the others are owed)
-        self._max_in_flight = self._prefetch_factor * n
-        if self._node is not None:
-            self._max_in_flight = self._node.in_flight(n, self._prefetch_factor)
-        size = plan_sizes(loader, self._gate is not None, self._max_in_flight)
+        size = plan_sizes(loader, gated=self._gate is not None)
         if self._share is not None and loader.max_slots is None:
             size = size._replace(capacity=size.capacity + SHARE_SLACK,
                                  max_slots=size.max_slots + SHARE_SLACK)
@@ -339,14 +334,12 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         """DataLoader's _try_put_index, call for call. A call that raises (no shared
         memory for a slot, an index that cannot be pickled) stays owed: its index and
         worker are kept, and the next call (or next()) sends it first, so no index is
-        lost and the prefetch depth comes back. So does a call past the requests this
-        iterator keeps in flight (a node pool's rank: its share of the node's), sent
-        once a reply came back."""
+        lost and the prefetch depth comes back."""
         self._puts_owed += 1
         self._send_owed()
 
     def _send_owed(self) -> None:
-        while self._puts_owed and self._tasks_outstanding < self._max_in_flight:
+        while self._puts_owed:
             self._put_one()  # raises: still owed; each call that returns paid one
 
     def _put_one(self) -> None:
@@ -527,10 +520,6 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                     del self._task_info[self._rcvd_idx]
                 self._rcvd_idx += 1
             else:
-                if self._puts_owed:  # held back by a node pool's share (or failed)
-                    self._send_owed()
-                    if self._rcvd_idx < self._send_idx:
-                        continue
                 if self._share is not None:
                     self._share.end_epoch(self._share_epoch)
                 if not self._persistent_workers:

@@ -20,19 +20,8 @@ differs from the host's in dataset, length, collate_fn, batch_size, drop_last,
 num_workers or node_workers is refused, with the difference named, while its loader
 is built.
 
-Placement: logical worker i of local rank r runs in process
-(r × num_workers + (i + r) % num_workers) % P; a process serves its logical workers
-round robin, one request each (no rank starves). The turn by r spreads ranks that ask
-for the same batch number at once (a DDP step) over the processes when P < num_workers
-× ranks.
-
-In flight: the node's P processes make P × prefetch_factor batches ahead for all its
-ranks together, as a DataLoader of P workers would; each rank keeps its share of
-requests in flight, ceil(P × prefetch_factor / local ranks), at least 1, at most its
-own num_workers × prefetch_factor, and a pool that many slots (+ 2) large. The others
-wait in the iterator (drawn later, the same DataLoader calls in the same order), so a
-rank's batches are those of its DataLoader, and the node's memory is the slots of the
-batches it makes, not ranks × num_workers × prefetch_factor.
+Placement: logical worker i of local rank r runs in process (r × num_workers + i) % P;
+a process serves its logical workers round robin, one request each (no rank starves).
 """
 from __future__ import annotations
 
@@ -359,17 +348,9 @@ class _Node(Users):
     def host_alive(self) -> bool:
         raise NotImplementedError
 
-    local_world: int  # the local ranks (join)
-
     def place(self, worker: int, num_workers: int) -> int:
         """The process hosting this rank's logical worker `worker` (module docstring)."""
-        turned = (worker + self.local_rank) % num_workers
-        return (self.local_rank * num_workers + turned) % len(self.pids)
-
-    def in_flight(self, num_workers: int, prefetch_factor: int) -> int:
-        """The requests this rank keeps in flight (module docstring)."""
-        share = -(-len(self.pids) * prefetch_factor // self.local_world)
-        return max(1, min(num_workers * prefetch_factor, share))
+        return (self.local_rank * num_workers + worker) % len(self.pids)
 
     def processes(self, num_workers: int) -> list[NodeProcess]:
         """One NodeProcess per logical worker (the same object for one process)."""
@@ -644,7 +625,6 @@ def join(loader, ctx, processes: int, group: LocalGroup) -> _Node:
         node = NodeHost(ctx, processes, mine, address, timeout, expected=size - 1)
     else:
         node = NodeClient(rank, mine, address, timeout)
-    node.local_world = size
     node.acquire()
     weakref.finalize(loader, node.release)
     return node
