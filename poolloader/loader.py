@@ -37,7 +37,9 @@ class PoolLoader(DataLoader[T_co]):
     Pool options (keyword-only, beyond DataLoader's):
       slot_bytes  initial size of each slot (default 1 MiB); a batch that does
                   not fit grows its slot (×1.25 headroom) and the rest follow.
-      slots       slots in the pool (default num_workers × prefetch_factor + 2).
+      slots       slots in the pool (default num_workers × prefetch_factor + 2;
+                  with node_pool and in_order, the rank's share of the node's
+                  requests + 2).
       max_slots   optional cap on the slots in the pool (default: slots, grown
                   to num_workers × prefetch_factor + 2 if smaller, plus as many
                   again on CUDA for slots cooling behind copies). At the cap a

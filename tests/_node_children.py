@@ -13,6 +13,11 @@ Cases:
         two epochs: first DataLoader(num_workers=2), then PoolLoader(node_pool=True);
         records whether they are equal, and this rank's children while the node
         pool iterates.
+  parity_break ARG=[node_workers[:num_workers]]  as parity with persistent workers,
+        under a RandomSampler with a generator of its own, three epochs, the first two
+        left early (BREAKS): a logical worker must fetch, before the next epoch, every
+        request its DataLoader worker had, and the sampler draw as far. Another
+        num_workers than WORKERS: 25 ms an item (Slow), so requests are still out then.
   iterable  an IterableDataset that shards by get_worker_info() and rank.
   mismatch  rank 1 builds its loader with batch_size 5: records the error.
   dist_alone  (under POOLLOADER_TEST_DIST) rank 1 builds no loader; rank 0 records the
@@ -66,7 +71,14 @@ import traceback
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, get_worker_info
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    get_worker_info,
+)
 
 from poolloader import PoolLoader
 
@@ -87,6 +99,9 @@ DIST = os.environ.get("POOLLOADER_TEST_DIST")
 RANK = int(os.environ["POOLLOADER_TEST_RANK" if DIST else "RANK"])
 WORLD = int(os.environ["POOLLOADER_TEST_WORLD" if DIST else "WORLD_SIZE"])
 N_SAMPLES, BATCH, WORKERS = 48, 4, 2
+# parity_break's epochs: left after 1 batch (the requests held past a rank's share still
+# to fetch), after all but the last (the sampler drawn to its end), then whole
+BREAKS = (1, N_SAMPLES // BATCH - 1, None)
 FAULT_SAMPLES = 800  # 100 batches a rank: a death always comes before the epoch ends
 MEET_S = 60.0
 
@@ -135,6 +150,14 @@ class Augmented(Dataset):
         return (torch.tensor([i, info.id, self.offset, random.randint(0, 10**6),
                               int(np.random.randint(0, 10**6))]),
                 torch.rand(3, 4))
+
+
+class Slow(Augmented):
+    """Augmented, 25 ms an item: an epoch left early still has requests out."""
+
+    def __getitem__(self, i):
+        time.sleep(0.025)
+        return super().__getitem__(i)
 
 
 def init_fn(worker_id):
@@ -254,14 +277,56 @@ def children() -> list:
 
 def main() -> dict:
     if CASE == "parity":
-        persistent = ARG == "1"
+        # ARG "<persistent>[:<node_workers>]"
+        persistent, _, processes = ARG.partition(":")
+        persistent = persistent == "1"
         expected = epochs(loader(DataLoader, persistent))
         seen = {}
-        pool = loader(PoolLoader, persistent, node_pool=True)
+        pool = loader(PoolLoader, persistent, node_pool=True,
+                      node_workers=int(processes) if processes else None)
         got = epochs(pool, during=lambda: seen.update(children=children()))
+        kept = pool[0]._iterator  # persistent workers: the epochs' one iterator
         result = {"equal": same(expected, got), "batches": len(got[0]),
                   "children": seen["children"], "node_pids": pool[0]._node.pids,
-                  "host": pool[0]._node.host_pid}
+                  "host": pool[0]._node.host_pid,
+                  "in_flight": kept and kept._max_in_flight,
+                  "slots": kept and kept._pool.num_slots,
+                  "detaches": pool[0].stats.detaches}
+        del kept
+        meet("done")
+        return result
+    if CASE == "parity_break":
+        # ARG "[<node_workers>[:<num_workers>]]" (defaults num_workers and WORKERS)
+        processes, _, workers = ARG.partition(":")
+        workers = int(workers) if workers else WORKERS
+
+        def make(cls, **kw):
+            dataset = Slow() if workers != WORKERS else Augmented()
+            sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(7 + RANK))
+            return cls(dataset, batch_size=BATCH, sampler=sampler, num_workers=workers,
+                       worker_init_fn=init_fn, persistent_workers=True,
+                       generator=torch.Generator().manual_seed(11 + RANK), **kw)
+
+        def run(it_loader):
+            out = []
+            for stop in BREAKS:
+                batches = []
+                for k, batch in enumerate(it_loader):
+                    if k == stop:
+                        if workers != WORKERS:
+                            time.sleep(0.5)  # every request still out is made, unread
+                        break
+                    batches.append([t.clone() for t in batch])
+                out.append(batches)
+            return out
+        expected = run(make(DataLoader))
+        pool = make(PoolLoader, node_pool=True, node_workers=int(processes) if processes else None)
+        got = run(pool)
+        kept = pool._iterator
+        result = {"equal": same(expected, got), "lengths": [len(b) for b in got],
+                  "in_flight": kept._max_in_flight, "slots": kept._pool.num_slots,
+                  "detaches": pool.stats.detaches}
+        del kept
         meet("done")
         return result
     if CASE == "iterable":
@@ -270,7 +335,7 @@ def main() -> dict:
         expected = [[t.clone() for t in b] for b in DataLoader(
             Shards(), batch_size=3, num_workers=WORKERS, generator=seeded())]
         pool = PoolLoader(Shards(), batch_size=3, num_workers=WORKERS, generator=seeded(),
-                          node_pool=True)
+                          node_pool=True, node_workers=int(ARG) if ARG else None)
         got = [[t.clone() for t in b] for b in pool]
         meet("done")  # the host's loader lives until every rank is done, as in training
         return {"equal": same([expected], [got]), "batches": len(got)}
@@ -295,12 +360,14 @@ def main() -> dict:
         meet("done")
         return {"error": error, "took": took}
     if CASE == "resume":
+        # ARG: node_workers (default num_workers)
+        more = dict(node_workers=int(ARG)) if ARG else {}
         expected = epochs(loader(DataLoader), n=1)[0]
-        first, _ = loader(PoolLoader, node_pool=True)
+        first, _ = loader(PoolLoader, node_pool=True, **more)
         it = iter(first)
         head = [[t.clone() for t in next(it)] for _ in range(3)]
         state = first.state_dict()
-        again, _ = loader(PoolLoader, node_pool=True)  # the next node-pool loader of every rank
+        again, _ = loader(PoolLoader, node_pool=True, **more)  # every rank's next one
         again.load_state_dict(state)
         rest = [[t.clone() for t in b] for b in again]
         meet("done")

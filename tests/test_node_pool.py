@@ -86,33 +86,63 @@ def _ranks(tmp_path, case: str, world: int, arg: str = "", env=None, nodes: int 
     return out, [p.returncode for p in procs], "\n".join(texts)
 
 
-@pytest.mark.parametrize("world, persistent, dist", [(3, "0", False), (2, "1", True)])
+@pytest.mark.parametrize("world, arg, dist", [(3, "0", False), (2, "1", True), (3, "1:1", False)])
 def test_each_rank_gets_its_own_dataloaders_batches_from_the_nodes_processes(tmp_path, world,
-                                                                              persistent, dist):
+                                                                              arg, dist):
     """dist: ranks started as mp.spawn starts them, with no torchrun variable: the node
-    is found through the initialised torch.distributed's store."""
-    results, codes, logs = _ranks(tmp_path, "parity", world, persistent, dist=dist)
+    is found through the initialised torch.distributed's store. "1:1": persistent, one
+    process for 3 ranks × 2 workers: the node makes 1 × prefetch_factor (2) batches
+    ahead, so each rank keeps 1 request in flight (the others owed, drawn later) in a
+    pool of 3 slots, not 2 × 2 in 6."""
+    results, codes, logs = _ranks(tmp_path, "parity", world, arg, dist=dist)
     assert codes == [0] * world, logs
     host = results[0]
+    processes = 1 if arg == "1:1" else 2
     for rank, r in enumerate(results):
         assert r["equal"], f"rank {rank}: batches differ from its DataLoader's\n{logs}"
         assert r["batches"] == 48 // world // 4
         assert r["node_pids"] == host["node_pids"] and r["host"] == host["host"]
-        # the node's processes are local rank 0's children, num_workers of them; the
-        # other ranks start none
+        # the node's processes are local rank 0's children, num_workers of them (or
+        # node_workers); the other ranks start none
         assert r["children"] == (sorted(host["node_pids"]) if rank == 0 else []), logs
-    assert len(host["node_pids"]) == 2
+        if arg != "0":  # persistent: the iterator is still there to look at
+            in_flight = -(-processes * 2 // world)  # ceil(P × prefetch_factor / ranks)
+            assert (r["in_flight"], r["slots"]) == (in_flight, in_flight + 2), r
+        assert r["detaches"] == 0, r  # a `for` loop's batches fit the pool
+    assert len(host["node_pids"]) == processes
 
 
-def test_an_iterable_dataset_shards_by_worker_and_rank(tmp_path):
-    results, codes, logs = _ranks(tmp_path, "iterable", 2)
+@pytest.mark.parametrize("arg, in_flight", [("", 2), ("1", 1), ("4:4", 4)])
+def test_an_epoch_left_early_leaves_each_rank_where_its_dataloader_would(tmp_path, arg,
+                                                                          in_flight):
+    """Persistent workers, epochs left after 1 batch and after all but the last, then a
+    whole one: DataLoader's workers fetch every request drawn before the next epoch,
+    which moves their RNG states, so a rank holding requests past its share sends them
+    first. "1": one process for 2 ranks × 2 workers, so each rank keeps 1 request of
+    its 4 in flight. "4:4": 4 processes for 2 ranks × 4 slow workers, 4 of 8 in flight
+    and 6 slots, with requests still out as an epoch is left: the held ones that go
+    then must wait for those, not add to them."""
+    results, codes, logs = _ranks(tmp_path, "parity_break", 2, arg)
+    assert codes == [0, 0], logs
+    for rank, r in enumerate(results):
+        assert r["equal"], f"rank {rank}: batches differ from its DataLoader's\n{logs}"
+        assert r["lengths"] == [1, 11, 12]
+        assert (r["in_flight"], r["slots"], r["detaches"]) == (in_flight, in_flight + 2, 0), r
+
+
+@pytest.mark.parametrize("processes", ["", "1"])
+def test_an_iterable_dataset_shards_by_worker_and_rank(tmp_path, processes):
+    """"1": one node process, so each rank keeps 1 request in flight of its 4."""
+    results, codes, logs = _ranks(tmp_path, "iterable", 2, processes)
     assert codes == [0, 0], logs
     assert all(r["equal"] for r in results), logs
     assert all(r["batches"] == 10 for r in results)  # 15 items a worker, 3 a batch
 
 
-def test_each_rank_resumes_mid_epoch_exactly(tmp_path):
-    results, codes, logs = _ranks(tmp_path, "resume", 2)
+@pytest.mark.parametrize("processes", ["", "1"])
+def test_each_rank_resumes_mid_epoch_exactly(tmp_path, processes):
+    """"1": one node process, so each rank keeps 1 request in flight of its 4."""
+    results, codes, logs = _ranks(tmp_path, "resume", 2, processes)
     assert codes == [0, 0], logs
     assert all(r["equal"] and r["batches"] == 6 for r in results), (results, logs)
 

@@ -14,6 +14,7 @@ header and the batch codec), `cuda` (registration, reuse gate, device staging).
 """
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import os
@@ -119,7 +120,17 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         hosts = loader.node_workers if loader.node_workers not in (None, n) else 0
         if self._node is not None:
             hosts = 0  # the node's processes wait on the node segment's doorbells
-        size = plan_sizes(loader, gated=self._gate is not None)
+        # requests sent and not yet delivered (each holds a slot): DataLoader's
+        # prefetch_factor × num_workers; in order, a node pool's rank its share of the
+        # node's (poolloader.main.node), the others drawn as DataLoader draws them and
+        # held until one is delivered
+        self._max_in_flight = self._prefetch_factor * n
+        self._cap: int | None = None
+        if self._node is not None and self._in_order:
+            weight = self._share.weight if self._share is not None else 1
+            self._cap = self._max_in_flight = self._node.in_flight(n, self._prefetch_factor,
+                                                                   weight)
+        size = plan_sizes(loader, self._gate is not None, self._max_in_flight)
         if self._share is not None and loader.max_slots is None:
             size = size._replace(capacity=size.capacity + SHARE_SLACK,
                                  max_slots=size.max_slots + SHARE_SLACK)
@@ -251,13 +262,14 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         self._send_idx = 0
         self._rcvd_idx = 0
         self._task_info = {}
+        self._ready = 0  # entries of _task_info that are READY (a reply, not delivered)
         self._tasks_outstanding = 0
         self._workers_status = [True] * self._num_workers
         self._workers_num_tasks = [0] * self._num_workers
         self._worker_queue_idx_cycle = itertools.cycle(range(self._num_workers))
         self._sampler_exhausted = False
-        self._puts_owed = 0  # requests a failed _try_put_index still owes (see there)
-        self._unsent: tuple | None = None  # (index, worker) drawn by one of them, not sent
+        self._puts_owed = 0  # _try_put_index calls not yet drawn (their draw raised)
+        self._held: collections.deque = collections.deque()  # (index, worker) drawn, not sent
         # after _reclaim_all; a loaded state moves the sampler, the counters and the round robin
         resumed = self._resume.position_epoch(self._sampler_iter, first_iter)
         if resumed is not None:
@@ -280,7 +292,16 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                 told.append(self._resume.seen(info[0], fmt.reply_seq(ledger.header(info[1])),
                                               self._reply_record(info[1])))
         self._task_info = {}
-        while ledger.inflight:  # popped replies (ledger.returned) first, then the workers'
+        self._ready = 0
+        ledger.reset_free()  # the undelivered replies' slots, for the held requests
+        # the held requests go too, as many at once as the cap lets (the requests still
+        # out count): DataLoader's workers fetch every request drawn before the next
+        # epoch, and their RNG states move with it. Popped replies (ledger.returned)
+        # first, then the workers'
+        while ledger.inflight or self._held:
+            self._send_held()
+            if not ledger.inflight:
+                continue  # the held ones left were for workers that ended
             slot, _worker = self._wait_returned()
             seq, worker = ledger.inflight[slot]
             if fmt.reply_status(ledger.header(slot), slot, seq, worker) == fmt.ST_GROW:
@@ -289,6 +310,8 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
             told.append(self._resume.seen(worker, seq, self._reply_record(slot)))
             del ledger.inflight[slot]
             ledger.returned.popleft()
+            self._task_info.pop(seq, None)
+            ledger.give_back(slot)
         ledger.reset_free()
         told = [t for t in told if t is not None]
         if self._share is not None and told:
@@ -303,7 +326,8 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
 
     # -- resume: poolloader.resume.keys ---------------------------------------------
     def _next_index(self):
-        return self._resume.next_index(self._sampler_iter, self._send_idx)
+        # the send index it will go with: the requests held before it go first
+        return self._resume.next_index(self._sampler_iter, self._send_idx + len(self._held))
 
     def __next__(self):
         entered, waited = time.perf_counter(), self._stats.main_wait_s
@@ -331,74 +355,84 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
 
     # -- requests --------------------------------------------------------------
     def _try_put_index(self) -> None:
-        """DataLoader's _try_put_index, call for call. A call that raises (no shared
-        memory for a slot, an index that cannot be pickled) stays owed: its index and
-        worker are kept, and the next call (or next()) sends it first, so no index is
-        lost and the prefetch depth comes back."""
+        """DataLoader's _try_put_index, call for call: each call draws its index and
+        picks its worker now, as DataLoader's does, and sends them when it can. A draw
+        that raises (the sampler's error) stays owed, drawn first by the next call (or
+        next()); a send that raises (no shared memory for a slot, an index that cannot
+        be pickled) keeps its index and worker held, sent first by the next call; so no
+        index is lost and the prefetch depth comes back. An iterator with a cap (a node
+        pool rank's share of the node's requests: poolloader.main.node) holds the
+        requests past it until a batch is delivered; they go in the order drawn."""
         self._puts_owed += 1
         self._send_owed()
 
     def _send_owed(self) -> None:
         while self._puts_owed:
-            self._put_one()  # raises: still owed; each call that returns paid one
+            self._draw()  # raises: still owed; each call that returns paid one
+        self._send_held()
 
-    def _put_one(self) -> None:
-        # the slot is taken only once the index and the worker are known
-        if self._unsent is not None:
-            index, worker = self._unsent
-            if not self._workers_status[worker]:
-                # its worker ended meanwhile (iterable): DataLoader would have sent it
-                # there, and nothing would have come of it
-                self._unsent = None
-                self._puts_owed -= 1
-                return
-        else:
-            max_tasks = self._prefetch_factor * self._num_workers
-            try:
-                index = self._next_index()
-            except StopIteration:
-                self._sampler_exhausted = True
-                self._puts_owed -= 1
-                return
-            for _ in range(self._num_workers):
-                worker = next(self._worker_queue_idx_cycle)
-                if self._workers_status[worker]:
-                    if self._in_order:
-                        break
-                    if self._workers_num_tasks[worker] < max_tasks // sum(self._workers_status):
-                        break
+    def _send_held(self) -> None:
+        held, cap, inflight = self._held, self._cap, self._ledger.inflight
+        # the cap counts every slot a request holds until delivered: in flight (an
+        # earlier epoch's too, while _reclaim_all takes them back) or READY
+        while held and (cap is None or len(inflight) + self._ready < cap):
+            index, worker, seed = held[0]
+            if self._workers_status[worker]:
+                self._send(index, worker, seed)  # raises: still held
             else:
-                self._puts_owed -= 1
-                return
-            # drawn and counted (the resume tracker's pending, for in_order=False, has
-            # it under this same send index): kept for a retry, never dropped
-            self._unsent = (index, worker)
-        self._send(index, worker)
+                # its worker ended meanwhile (iterable): DataLoader would have sent it
+                # there (its send index taken), and nothing would have come of it
+                self._send_idx += 1
+                held.popleft()  # last: an interrupt comes after a call, never inside this pair
 
-    def _send(self, index, worker: int) -> None:
-        """Write and push one request. Everything it records is recorded before the
-        push, and the push marks itself in the same C call (SlotLedger.push): an
-        exception before the push (no space, an index that cannot be pickled, an
-        interrupt) undoes all of it, keeping the index in _unsent for the retry; one
-        after the push (a signal handler's) leaves the request sent, once."""
+    def _draw(self) -> None:
+        max_tasks = self._prefetch_factor * self._num_workers
+        try:
+            index = self._next_index()
+        except StopIteration:
+            self._sampler_exhausted = True
+            self._puts_owed -= 1
+            return
+        for _ in range(self._num_workers):
+            worker = next(self._worker_queue_idx_cycle)
+            if self._workers_status[worker]:
+                if self._in_order:
+                    break
+                if self._workers_num_tasks[worker] < max_tasks // sum(self._workers_status):
+                    break
+        else:
+            self._puts_owed -= 1
+            return
+        # drawn and counted as DataLoader counts it (the resume tracker has it under
+        # the send index it will go with): held until sent, never dropped, with its
+        # epoch's shared seed. The append is the only call: an interrupt (checked as a
+        # call returns) comes before all three steps or after them
+        self._workers_num_tasks[worker] += 1
+        self._puts_owed -= 1
+        self._held.append((index, worker, self._shared_seed))
+
+    def _send(self, index, worker: int, seed) -> None:
+        """Write and push the first held request. Everything it records is recorded
+        before the push, and the push marks itself in the same C call
+        (SlotLedger.push): an exception before the push (no space, an index that
+        cannot be pickled, an interrupt) undoes all of it, keeping the request held
+        for the retry; one after the push (a signal handler's) leaves it sent, once."""
         ledger = self._ledger
-        seq, owed = self._send_idx, self._puts_owed
-        tasks, outstanding = self._workers_num_tasks[worker], self._tasks_outstanding
+        seq, outstanding, held = self._send_idx, self._tasks_outstanding, self._held
+        request_held = held[0]
         ring = self._request_rings[worker]
         pushed: list = []
         try:
             request = fmt.encode_request(index, self._int_list_requests)
             slot = ledger.take(fmt.request_slot_bytes(request))
             fmt.write_request(ledger.mapping(slot), ledger.header(slot), seq,
-                              self._epoch, worker, request, self._shared_seed)
+                              self._epoch, worker, request, seed)
             ledger.inflight[slot] = (seq, worker)
             self._sent_indices[slot] = index
             self._task_info[seq] = (worker,)
-            self._workers_num_tasks[worker] = tasks + 1
             self._tasks_outstanding = outstanding + 1
             self._send_idx = seq + 1
-            self._puts_owed = owed - 1
-            self._unsent = None
+            held.popleft()
             ledger.push(ring, slot, pushed)
             if not pushed[0]:
                 raise SlotCorrupt(f"internal error: the request ring of worker {worker} is "
@@ -415,11 +449,10 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                 self._sent_indices.pop(taken, None)
             ledger.put_back()
             self._task_info.pop(seq, None)
-            self._workers_num_tasks[worker] = tasks
             self._tasks_outstanding = outstanding
             self._send_idx = seq
-            self._puts_owed = owed
-            self._unsent = (index, worker)
+            if not held or held[0] is not request_held:
+                held.appendleft(request_held)
             if isinstance(e, ControlCorrupt) or pushed:  # a broken ring, or a full one
                 self._fail(e)
             raise
@@ -508,7 +541,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
             raise RuntimeError(self._dead_message())
         ledger = self._ledger
         ledger.settle()  # before any slot is reused
-        if self._puts_owed:  # requests an earlier call could not send go first
+        if self._puts_owed or self._held:  # requests an earlier call could not send go first
             self._send_owed()
         while True:
             while self._rcvd_idx < self._send_idx:
@@ -520,6 +553,10 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                     del self._task_info[self._rcvd_idx]
                 self._rcvd_idx += 1
             else:
+                if self._puts_owed or self._held:  # past the cap (or failed): now
+                    self._send_owed()
+                    if self._rcvd_idx < self._send_idx:
+                        continue
                 if self._share is not None:
                     self._share.end_epoch(self._share_epoch)
                 if not self._persistent_workers:
@@ -529,6 +566,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
 
             if len(self._task_info[self._rcvd_idx]) == 2:
                 worker_id, slot = self._task_info.pop(self._rcvd_idx)
+                self._ready -= 1
                 self._rcvd_idx += 1
                 return self._process_data(slot, worker_id)
 
@@ -563,11 +601,13 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                 ledger.give_back(slot)
                 continue
             self._task_info[idx] = (worker, slot)  # READY: in the reorder buffer
+            self._ready += 1
             del ledger.inflight[slot]
             ledger.returned.popleft()
             self._tasks_outstanding -= 1
             if idx != self._rcvd_idx and not self._in_order:
                 self._task_info.pop(idx)
+                self._ready -= 1
                 return self._process_data(slot, worker)
             # in order: delivered at the top of the loop once it is the next one
 

@@ -52,17 +52,17 @@ SPARE_SLOTS = 2
 _NEVER = 1 << 62
 
 
-def default_slots(num_workers: int, prefetch_factor: int) -> int:
-    return num_workers * prefetch_factor + SPARE_SLOTS
+def default_slots(in_flight: int) -> int:
+    return in_flight + SPARE_SLOTS
 
 
-def slot_capacity(slots: int, num_workers: int, prefetch_factor: int,
-                  max_slots: int | None = None) -> int:
-    """Slots the pool grows to before a held batch is detached: DataLoader's requests
-    in flight plus the batch being delivered and the one a `for` loop still holds, so
-    the common loop never detaches (a smaller slots= grows to this once:
-    pool_growths); never past `max_slots`."""
-    capacity = max(slots, default_slots(num_workers, prefetch_factor))
+def slot_capacity(slots: int, in_flight: int, max_slots: int | None = None) -> int:
+    """Slots the pool grows to before a held batch is detached: the iterator's requests
+    in flight (DataLoader's num_workers × prefetch_factor; a node pool rank's share)
+    plus the batch being delivered and the one a `for` loop still holds, so the common
+    loop never detaches (a smaller slots= grows to this once: pool_growths); never past
+    `max_slots`."""
+    capacity = max(slots, default_slots(in_flight))
     return capacity if max_slots is None else min(capacity, max_slots)
 
 
@@ -73,13 +73,12 @@ class Sizing(NamedTuple):
     slot_bytes: int  # each new segment's size
 
 
-def plan_sizes(loader, gated: bool) -> Sizing:
-    """A new pool's sizes from the loader's knobs. With a CUDA gate, as many slots
-    again may cool behind copies; a previous pool of this loader already learned how
-    big batches are (stats.learned_slot_bytes)."""
-    n, prefetch = loader.num_workers, loader.prefetch_factor
-    slots = loader.slots if loader.slots is not None else default_slots(n, prefetch)
-    capacity = slot_capacity(slots, n, prefetch, loader.max_slots)
+def plan_sizes(loader, gated: bool, in_flight: int) -> Sizing:
+    """A new pool's sizes from the loader's knobs and the requests its iterator keeps
+    in flight. With a CUDA gate, as many slots again may cool behind copies; a previous
+    pool of this loader already learned how big batches are (stats.learned_slot_bytes)."""
+    slots = loader.slots if loader.slots is not None else default_slots(in_flight)
+    capacity = slot_capacity(slots, in_flight, loader.max_slots)
     max_slots = loader.max_slots if loader.max_slots is not None else capacity * (2 if gated else 1)
     slot_bytes = max(loader.slot_bytes, loader.stats.learned_slot_bytes, fmt.MIN_SLOT_BYTES)
     return Sizing(min(slots, max_slots), capacity, max_slots, slot_bytes)

@@ -20,8 +20,24 @@ differs from the host's in dataset, length, collate_fn, batch_size, drop_last,
 num_workers or node_workers is refused, with the difference named, while its loader
 is built.
 
-Placement: logical worker i of local rank r runs in process (r × num_workers + i) % P;
-a process serves its logical workers round robin, one request each (no rank starves).
+Placement: logical worker i of local rank r runs in process
+(r × num_workers + (i + r) % num_workers) % P; a process serves its logical workers
+round robin, one request each (no rank starves). The turn by r spreads ranks that ask
+for the same batch number at once (a DDP step) over the processes when P < num_workers
+× ranks.
+
+In flight (in_order=True): the node's P processes make P × prefetch_factor batches
+ahead for all its ranks together, as a DataLoader of P workers would; each rank keeps
+its share of requests sent and not yet delivered, ceil(P × prefetch_factor / local
+ranks), at least 1, at most its own num_workers × prefetch_factor, and a pool that many
+slots (+ 2) large; a share_batches leader counts its followers here, which send none.
+Every DataLoader call still draws its index and picks its worker when DataLoader's
+does; the requests past the share are held in the iterator and sent, in that order, as
+batches are delivered, and at an epoch left early (persistent workers) in waves before
+the next one, so every logical worker fetches what its DataLoader worker fetches, in
+the same order. The node's memory is then the slots of the batches it makes, not ranks
+× num_workers × prefetch_factor. With in_order=False, where DataLoader picks a worker
+by the tasks each has out, every request goes at once, as without a node pool.
 """
 from __future__ import annotations
 
@@ -348,9 +364,18 @@ class _Node(Users):
     def host_alive(self) -> bool:
         raise NotImplementedError
 
+    local_world: int  # the local ranks (join)
+
     def place(self, worker: int, num_workers: int) -> int:
         """The process hosting this rank's logical worker `worker` (module docstring)."""
-        return (self.local_rank * num_workers + worker) % len(self.pids)
+        turned = (worker + self.local_rank) % num_workers
+        return (self.local_rank * num_workers + turned) % len(self.pids)
+
+    def in_flight(self, num_workers: int, prefetch_factor: int, weight: int = 1) -> int:
+        """The requests this rank keeps in flight (module docstring), making the batches
+        of `weight` local ranks (a share_batches leader's followers send none)."""
+        share = -(-len(self.pids) * prefetch_factor * weight // self.local_world)
+        return max(1, min(num_workers * prefetch_factor, share))
 
     def processes(self, num_workers: int) -> list[NodeProcess]:
         """One NodeProcess per logical worker (the same object for one process)."""
@@ -625,6 +650,7 @@ def join(loader, ctx, processes: int, group: LocalGroup) -> _Node:
         node = NodeHost(ctx, processes, mine, address, timeout, expected=size - 1)
     else:
         node = NodeClient(rank, mine, address, timeout)
+    node.local_world = size
     node.acquire()
     weakref.finalize(loader, node.release)
     return node

@@ -211,6 +211,12 @@ class ShareLeader(node.Users):
                                         daemon=True)
         self._thread.start()
 
+    @property
+    def weight(self) -> int:
+        """The local ranks whose batches this leader's requests make (poolloader.main.node,
+        in_flight): its own and its followers' here, which send none."""
+        return 1 + len(self.expected)
+
     # -- joining ------------------------------------------------------------------
     def _accept(self) -> None:
         listener = self._listener

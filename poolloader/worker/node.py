@@ -2,10 +2,10 @@
 
 The host (local rank 0) starts P of them once per node-pool loader; they serve the
 logical workers of every rank's iterators: logical worker i of local rank r is hosted
-by process (r × num_workers + i) % P (poolloader.main.node). A rank's iterator
-attaches a *group* (its pool and its logical workers' configs, which the host forwards
-through this process's command pipe) and detaches it by closing its request rings, or
-by dying (its pool's owner lock goes). Each logical worker is the LogicalWorker of
+by process (r × num_workers + (i + r) % num_workers) % P (poolloader.main.node). A
+rank's iterator attaches a *group* (its pool and its logical workers' configs, which
+the host forwards through this process's command pipe) and detaches it by closing its
+request rings, or by dying (its pool's owner lock goes). Each logical worker is the LogicalWorker of
 poolloader.worker.loop, built here from the rank's own pickled start payload
 (startup.load: its own copy of the rank's dataset, worker_init_fn and collate_fn), so
 its batches are its rank's DataLoader worker's.
