@@ -130,6 +130,17 @@ def test_an_epoch_left_early_leaves_each_rank_where_its_dataloader_would(tmp_pat
         assert (r["in_flight"], r["slots"], r["detaches"]) == (in_flight, in_flight + 2, 0), r
 
 
+def test_an_interrupted_next_loses_its_batch_only(tmp_path):
+    """A KeyboardInterrupt as next() took its batch out of the reorder buffer, with one
+    request out a rank: as with DataLoader that batch is gone, and the rest of the epoch
+    still comes (the requests held past the share still go out)."""
+    results, codes, logs = _ranks(tmp_path, "interrupt", 2)
+    assert codes == [0, 0], logs
+    for r in results:
+        assert r["interrupted"] and r["cap"] == 1, r
+        assert r["equal"], f"{r}\n{logs}"
+
+
 @pytest.mark.parametrize("processes", ["", "1"])
 def test_an_iterable_dataset_shards_by_worker_and_rank(tmp_path, processes):
     """"1": one node process, so each rank keeps 1 request in flight of its 4."""

@@ -262,7 +262,6 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         self._send_idx = 0
         self._rcvd_idx = 0
         self._task_info = {}
-        self._ready = 0  # entries of _task_info that are READY (a reply, not delivered)
         self._tasks_outstanding = 0
         self._workers_status = [True] * self._num_workers
         self._workers_num_tasks = [0] * self._num_workers
@@ -292,7 +291,6 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                 told.append(self._resume.seen(info[0], fmt.reply_seq(ledger.header(info[1])),
                                               self._reply_record(info[1])))
         self._task_info = {}
-        self._ready = 0
         ledger.reset_free()  # the undelivered replies' slots, for the held requests
         # the held requests go too, as many at once as the cap lets (the requests still
         # out count): DataLoader's workers fetch every request drawn before the next
@@ -372,10 +370,8 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         self._send_held()
 
     def _send_held(self) -> None:
-        held, cap, inflight = self._held, self._cap, self._ledger.inflight
-        # the cap counts every slot a request holds until delivered: in flight (an
-        # earlier epoch's too, while _reclaim_all takes them back) or READY
-        while held and (cap is None or len(inflight) + self._ready < cap):
+        held, cap = self._held, self._cap
+        while held and (cap is None or self._slots_out() < cap):
             index, worker, seed = held[0]
             if self._workers_status[worker]:
                 self._send(index, worker, seed)  # raises: still held
@@ -384,6 +380,13 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                 # there (its send index taken), and nothing would have come of it
                 self._send_idx += 1
                 held.popleft()  # last: an interrupt comes after a call, never inside this pair
+
+    def _slots_out(self) -> int:
+        """The slots the requests hold until delivered, which the cap counts: in flight
+        (an earlier epoch's too, while _reclaim_all takes them back) or READY. Counted
+        afresh (at most the cap's entries), so no interrupt can leave a count behind."""
+        ready = sum(len(info) == 2 for info in self._task_info.values())
+        return len(self._ledger.inflight) + ready
 
     def _draw(self) -> None:
         max_tasks = self._prefetch_factor * self._num_workers
@@ -566,7 +569,6 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
 
             if len(self._task_info[self._rcvd_idx]) == 2:
                 worker_id, slot = self._task_info.pop(self._rcvd_idx)
-                self._ready -= 1
                 self._rcvd_idx += 1
                 return self._process_data(slot, worker_id)
 
@@ -601,13 +603,11 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                 ledger.give_back(slot)
                 continue
             self._task_info[idx] = (worker, slot)  # READY: in the reorder buffer
-            self._ready += 1
             del ledger.inflight[slot]
             ledger.returned.popleft()
             self._tasks_outstanding -= 1
             if idx != self._rcvd_idx and not self._in_order:
                 self._task_info.pop(idx)
-                self._ready -= 1
                 return self._process_data(slot, worker)
             # in order: delivered at the top of the loop once it is the next one
 
