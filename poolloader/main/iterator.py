@@ -268,7 +268,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         self._worker_queue_idx_cycle = itertools.cycle(range(self._num_workers))
         self._sampler_exhausted = False
         self._puts_owed = 0  # _try_put_index calls not yet drawn (their draw raised)
-        self._held: collections.deque = collections.deque()  # (index, worker) drawn, not sent
+        self._held: collections.deque = collections.deque()  # (index, worker, seed) not sent
         # after _reclaim_all; a loaded state moves the sampler, the counters and the round robin
         resumed = self._resume.position_epoch(self._sampler_iter, first_iter)
         if resumed is not None:
