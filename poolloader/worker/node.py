@@ -5,10 +5,10 @@ logical workers of every rank's iterators: logical worker i of local rank r is h
 by process (r × num_workers + (i + r) % num_workers) % P (poolloader.main.node). A
 rank's iterator attaches a *group* (its pool and its logical workers' configs, which
 the host forwards through this process's command pipe) and detaches it by closing its
-request rings, or by dying (its pool's owner lock goes). Each logical worker is the LogicalWorker of
-poolloader.worker.loop, built here from the rank's own pickled start payload
-(startup.load: its own copy of the rank's dataset, worker_init_fn and collate_fn), so
-its batches are its rank's DataLoader worker's.
+request rings, or by dying (its pool's owner lock goes). Each logical worker is the
+LogicalWorker of poolloader.worker.loop, built here from the rank's own pickled start
+payload (startup.load: its own copy of the rank's dataset, worker_init_fn and
+collate_fn), so its batches are its rank's DataLoader worker's.
 
 Serving: one request at a time, round robin over every hosted logical worker of
 every group (a rank with more requests pending gets no more turns than its logical
