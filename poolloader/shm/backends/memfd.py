@@ -248,8 +248,9 @@ def _child_opens(path: str) -> str | None:
                 os._exit(0)
         os.close(w)
         w = -1
-        ready, _, _ = select.select([r], [], [], PROBE_TIMEOUT_S)
-        answer = os.read(r, 1) if ready else b""
+        poller = select.poll()  # not select(): a descriptor above 1024 is fine
+        poller.register(r, select.POLLIN)
+        answer = os.read(r, 1) if poller.poll(int(PROBE_TIMEOUT_S * 1000)) else b""
         if not answer:
             try:
                 os.kill(pid, signal.SIGKILL)
