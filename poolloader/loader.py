@@ -172,8 +172,8 @@ class PoolLoader(DataLoader[T_co]):
                 or snapshot_every_n_steps < 1):
             raise ValueError(f"snapshot_every_n_steps must be a positive number of steps or None, "
                              f"got {snapshot_every_n_steps!r}")
-        from poolloader.main import node
-        group = node.local_group() if node.wanted(node_pool) and self.num_workers else None
+        from poolloader.main import node, rendezvous
+        group = rendezvous.local_group() if node.wanted(node_pool) and self.num_workers else None
         # the node's processes host every local rank's num_workers logical workers
         most = self.num_workers * (group[1] if group else 1)
         if node_workers is not None and (isinstance(node_workers, bool)

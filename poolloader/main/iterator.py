@@ -117,7 +117,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         n = self._num_workers
         # node_workers=P < n: P processes host the n logical workers (worker i in
         # process hosted_by(i, P)); 0: one process per worker
-        hosts = loader.node_workers if loader.node_workers not in (None, n) else 0
+        hosts = loader.node_workers if (loader.node_workers or n) < n else 0
         if self._node is not None:
             hosts = 0  # the node's processes wait on the node segment's doorbells
         # requests sent and not yet delivered (each holds a slot): DataLoader's

@@ -1,24 +1,24 @@
 """One pool per node: PoolLoader(node_pool=True) under torchrun.
 
-The local ranks' node-pool loaders, built in the same order on every rank, meet: the
-k-th one of local rank 0 is the *host*; it starts the node's physical worker
-processes (poolloader.worker.node: P = node_workers, default num_workers) and
-listens; the k-th one of every other local rank connects. A rank keeps everything
-that makes its batches its own (its sampler, order, pool, ledger, resume state,
-CUDA registration): only the processes that run its logical workers are shared. Its
-iterator sends the host its logical workers' configs (its pool's locator and its
-pickled start payload: a few integers each), the host forwards them to the physical
-processes, and from then on requests and replies go through the rank's own rings as
-with any PoolLoader; a physical process waits on its doorbell in the node segment
-(poolloader.shm.node), which every rank rings.
+The local ranks' node-pool loaders built at the same place in the program meet
+(poolloader.main.rendezvous): the first rank to build one there is the *host*; it
+starts the node's physical worker processes (poolloader.worker.node: P = node_workers,
+default num_workers) and listens; every other local rank that builds one there while
+the host's lives connects. A loader no other rank builds there (evaluation on rank 0)
+is hosted by its own rank and nobody else: an ordinary loader of P processes, and
+dropping it waits for nobody. A rank keeps everything that makes its batches its own
+(its sampler, order, pool, ledger, resume state, CUDA registration): only the processes
+that run its logical workers are shared. Its iterator sends the host its logical
+workers' configs (its pool's locator and its pickled start payload: a few integers
+each), the host forwards them to the physical processes, and from then on requests and
+replies go through the rank's own rings as with any PoolLoader; a physical process
+waits on its doorbell in the node segment (poolloader.shm.node), which every rank rings.
 
-Rendezvous: an abstract Unix socket (nothing in /dev/shm or on disk; it goes with the
-host) named from the user id, the PID namespace, torchrun's run id and node rank, and
-k. Another job, another user or another PID namespace never meets it, and both ends
-check the other's uid (SO_PEERCRED) before anything is unpickled. A rank whose loader
-differs from the host's in dataset, length, collate_fn, batch_size, drop_last,
-num_workers or node_workers is refused, with the difference named, while its loader
-is built.
+A rank whose loader differs from the host's in dataset, length, collate_fn, batch_size,
+drop_last, num_workers or node_workers is not joined: it is warned, with the difference
+named, and runs its own workers. The host, once its own loader and iterators are gone,
+lets no rank join any more (one that comes then hosts anew) and stops the processes
+when the ranks that joined let go (at most LINGER_S later).
 
 Placement: logical worker i of local rank r runs in process
 (r × num_workers + (i + r) % num_workers) % P; a process serves its logical workers
@@ -41,40 +41,25 @@ by the tasks each has out, every request goes at once, as without a node pool.
 """
 from __future__ import annotations
 
-import datetime
-import hashlib
 import itertools
 import os
-import pickle
 import selectors
 import socket
-import struct
 import threading
 import time
 import weakref
-from typing import NamedTuple
 
-from poolloader.errors import WorkerDied
-from poolloader.main import supervise
+from poolloader.errors import WorkerDied, warn
+from poolloader.main import rendezvous, supervise
 from poolloader.shm import fork
 from poolloader.shm.node import NodeSegment
 from poolloader.worker.node import node_loop
 from poolloader.worker.popen import start_without_pipes
 
 NODE_POOL_ENV = "POOLLOADER_NODE_POOL"
-# Set by a rank when it joins its first node pool, to its pid: a process that inherits
-# torchrun's variables from a rank (a worker, a subprocess) is not that rank, and its
-# loaders are ordinary ones (local_group).
-RANK_PID_ENV = "POOLLOADER_NODE_RANK_PID"
-TIMEOUT_ENV = "POOLLOADER_NODE_TIMEOUT"
-# How long a rank waits for local rank 0's loader to listen, and the host for its
-# physical processes to start (seconds; TIMEOUT_ENV overrides).
-RENDEZVOUS_TIMEOUT = 120.0
-# How long the host, once its own loader and iterators are gone, waits for every other
-# local rank to have come and let go of its loader before it stops the node's
-# processes (seconds).
+# How long a host, once its own loader and iterators are gone, waits for the local ranks
+# still connected to let go of the node's processes before it stops them (seconds).
 LINGER_S = 10.0
-_ordinal = itertools.count()  # node-pool loaders built in this process
 _iterators = itertools.count()  # iterators attached from this process (group keys)
 
 
@@ -90,128 +75,6 @@ def wanted(node_pool) -> bool:
     if not isinstance(node_pool, bool):
         raise ValueError(f"node_pool must be True, False or None, got {node_pool!r}")
     return node_pool
-
-
-class LocalGroup(NamedTuple):
-    """This process's place among the job's ranks on this node."""
-
-    rank: int  # local rank
-    size: int  # local world size
-    run_key: str  # the same on every local rank of this job, and only there
-    ranks: tuple[int, ...] | None  # the node's global ranks by local rank (None: unknown)
-
-
-def local_group() -> LocalGroup | None:
-    """This rank's LocalGroup where 2 or more ranks of the job share this node; None
-    otherwise, where node_pool=True is an ordinary PoolLoader. Under torchrun from its
-    variables (LOCAL_RANK, LOCAL_WORLD_SIZE, TORCHELASTIC_RUN_ID, GROUP_RANK, RANK);
-    else from an initialised torch.distributed (mp.spawn, a launcher of one's own):
-    see _dist_group."""
-    env = os.environ
-    if env.get(RANK_PID_ENV, str(os.getpid())) != str(os.getpid()):
-        return None  # a child of the rank (module docstring of RANK_PID_ENV)
-    run_id = env.get("TORCHELASTIC_RUN_ID")
-    try:
-        rank, size = int(env["LOCAL_RANK"]), int(env["LOCAL_WORLD_SIZE"])
-    except (KeyError, ValueError):
-        run_id = None
-    if not run_id:  # not torchrun (a launcher may set LOCAL_RANK of its own)
-        return _dist_group()
-    if size < 2 or not 0 <= rank < size:
-        return None
-    try:
-        first = int(env["RANK"]) - rank  # torchrun gives a node consecutive global ranks
-        ranks: tuple[int, ...] | None = tuple(range(first, first + size))
-    except (KeyError, ValueError):
-        ranks = None
-    # the agent's pid: torchrun's default run id, "none", is shared by every job
-    key = f"torchrun/{os.getppid()}/{run_id}/{env.get('GROUP_RANK', '0')}/" \
-          f"{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    return LocalGroup(rank, size, key, ranks)
-
-
-# The local ranks' pids where the group came from torch.distributed: then a peer must be
-# one of them (peer_is_a_local_rank); and the group found for the current default
-# process group (_dist_group), kept for that group only.
-_dist_peers: set[int] = set()
-_dist_found: list = []  # [(the default process group, LocalGroup or None)]: one at most
-
-
-def _node_identity() -> str:
-    """What two processes that can share memfd segments and abstract sockets share: the
-    machine's boot, the user, the PID and network namespaces."""
-    with open("/proc/sys/kernel/random/boot_id") as f:
-        boot = f.read().strip()
-    return (f"{boot}/{os.getuid()}/{os.stat('/proc/self/ns/pid').st_ino}/"
-            f"{os.stat('/proc/self/ns/net').st_ino}")
-
-
-def _dist_group() -> LocalGroup | None:
-    """The LocalGroup from an initialised torch.distributed default process group.
-
-    Once per process group, every rank of the world writes its node's identity and its
-    pid to the group's store (keys poolloader/node/<rank>) and reads every rank's,
-    bounded by rendezvous_timeout(): the ranks of this node by global rank are its
-    local ranks. It needs every rank of the world to build a node-pool or
-    share_batches loader (as every local rank must, under torchrun); the store is read
-    once, not per loader. The run key is those ranks' pids: the same on each of them,
-    and on no other job's."""
-    try:
-        import torch.distributed as dist
-        if not (dist.is_available() and dist.is_initialized()):
-            return None
-        default = dist.group.WORLD
-    except (ImportError, RuntimeError, AttributeError):
-        return None
-    if _dist_found and _dist_found[0][0] is default:
-        return _dist_found[0][1]
-    _dist_found.clear()  # an earlier, destroyed group's: not kept alive
-    _dist_peers.clear()
-    world, me = dist.get_world_size(), dist.get_rank()
-    found = None
-    if world >= 2:
-        store = dist.distributed_c10d._get_default_store()
-        keys = [f"poolloader/node/{r}" for r in range(world)]
-        store.set(keys[me], f"{_node_identity()} {os.getpid()}")
-        timeout = rendezvous_timeout()
-        try:
-            store.wait(keys, datetime.timedelta(seconds=timeout))
-        except RuntimeError:
-            missing = [r for r, k in enumerate(keys) if not store.check([k])]
-            raise RuntimeError(
-                f"PoolLoader(node_pool/share_batches): rank {me} waited {timeout:.0f} s for "
-                f"every rank of the torch.distributed world ({world}) to build its loader; "
-                f"ranks {missing} did not (each rank must build the same node-pool and "
-                f"share_batches loaders). {TIMEOUT_ENV} sets the wait; node_pool=False and "
-                "share_batches=None give this rank an ordinary loader.") from None
-        entries = [store.get(k).decode().rsplit(" ", 1) for k in keys]
-        here = [r for r, (identity, _pid) in enumerate(entries) if identity == entries[me][0]]
-        if len(here) >= 2:
-            pids = [int(entries[r][1]) for r in here]
-            _dist_peers.update(p for p in pids if p != os.getpid())
-            found = LocalGroup(here.index(me), len(here),
-                               "dist/" + "/".join(map(str, pids)), tuple(here))
-    _dist_found.append((default, found))
-    return found
-
-
-def rendezvous_timeout() -> float:
-    value = os.environ.get(TIMEOUT_ENV)
-    if value is None:
-        return RENDEZVOUS_TIMEOUT
-    try:
-        return float(value)
-    except ValueError:
-        raise ValueError(f"{TIMEOUT_ENV}={value!r}: a number of seconds") from None
-
-
-def rendezvous_address(run_key: str, k: int) -> bytes:
-    """The rendezvous name: the uid, the PID namespace, the run (LocalGroup.run_key:
-    torchrun's agent, run id, node rank and restart, or the local ranks' pids), and the
-    loader's ordinal."""
-    namespace = os.stat("/proc/self/ns/pid").st_ino
-    run = hashlib.blake2b(run_key.encode(), digest_size=8).hexdigest()
-    return f"\0poolloader-{os.getuid()}-{namespace}-{run}-{k}".encode()
 
 
 def qualified_name(obj) -> str:
@@ -234,72 +97,6 @@ def fingerprint(loader, processes: int) -> dict:
             "node_workers": processes}
 
 
-def first_difference(mine: dict, theirs: dict) -> str | None:
-    for key in mine:
-        if mine[key] != theirs.get(key):
-            return f"{key}: {mine[key]!r} here, {theirs.get(key)!r} on local rank 0"
-    return None
-
-
-# -- messages: a 4-byte length, then a pickle; only between processes of one uid ------
-
-def _send(sock: socket.socket, message) -> None:
-    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    sock.sendall(struct.pack("!I", len(data)) + data)
-
-
-def _recv_exactly(sock: socket.socket, n: int) -> bytes:
-    parts, got = [], 0
-    while got < n:
-        part = sock.recv(n - got)
-        if not part:
-            raise ConnectionError("the other end closed the connection")
-        parts.append(part)
-        got += len(part)
-    return b"".join(parts)
-
-
-def _recv(sock: socket.socket):
-    (n,) = struct.unpack("!I", _recv_exactly(sock, 4))
-    return pickle.loads(_recv_exactly(sock, n))
-
-
-def _parent_of(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    return int(stat[stat.rfind(b")") + 2:].split()[1])
-
-
-def peer_is_a_local_rank(sock: socket.socket) -> bool:
-    """Whether the other end is a process of this user, in this PID namespace, that is
-    another local rank of this job: through torch.distributed, one whose pid the job's
-    store gave (_dist_group); under torchrun, one whose parent is ours (the agent).
-    Checked before anything it sends is unpickled."""
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    pid, uid, _gid = struct.unpack("3i", creds)
-    if uid != os.getuid() or pid <= 0:
-        return False
-    if _dist_peers:
-        return pid in _dist_peers
-    return _parent_of(pid) == os.getppid()
-
-
-def held_socket(kind: int = socket.SOCK_STREAM) -> socket.socket:
-    """A Unix socket a forked child closes at once (poolloader.shm.fork)."""
-    with fork.creating():
-        sock = socket.socket(socket.AF_UNIX, kind)
-        fork.hold(sock.fileno())
-    return sock
-
-
-def close_socket(sock: socket.socket | None) -> None:
-    if sock is not None and sock.fileno() >= 0:
-        fork.release(sock.detach())
-
-
 class NodeProcess:
     """A physical process of the node as a rank's iterator sees it (its `_workers`
     entries): alive while its lock and the host's are held (poolloader.shm.node)."""
@@ -318,14 +115,16 @@ class NodeProcess:
         """The WorkerDied message (supervise.check_alive) once is_alive() is False."""
         node = self._node
         if not node.host_alive():
-            return (f"PoolLoader(node_pool=True): the node pool's host, local rank 0 (pid "
-                    f"{node.host_pid}), exited, and the worker processes it hosted (pids "
+            return (f"PoolLoader(node_pool=True): the node pool's host, local rank "
+                    f"{node.host_rank} (pid {node.host_pid}), exited, and the worker "
+                    f"processes it hosted (pids "
                     f"{', '.join(map(str, node.pids))}) with it; logical worker {worker} of "
                     f"this rank was waiting on process {self.p} (pid {self.pid}). The other "
-                    "ranks cannot go on loading: see local rank 0's error.")
+                    f"ranks cannot go on loading: see local rank {node.host_rank}'s error.")
         return (f"DataLoader worker (pid {self.pid}) exited unexpectedly. PoolLoader worker "
-                f"{worker} (pid {self.pid}: node pool process {self.p}, hosted by local rank 0, "
-                f"pid {node.host_pid}, for every local rank) exited unexpectedly. If it was "
+                f"{worker} (pid {self.pid}: node pool process {self.p}, hosted by local rank "
+                f"{node.host_rank}, pid {node.host_pid}, for every local rank) exited "
+                "unexpectedly. If it was "
                 "killed for memory (signal 9), lower num_workers or batch_size; run with "
                 "num_workers=0 to see the error in the main process.")
 
@@ -358,6 +157,7 @@ class _Node(Users):
 
     segment: NodeSegment
     host_pid: int
+    host_rank: int  # the local rank that hosts (the first to build the loader)
     pids: list[int]
     local_rank: int
 
@@ -401,25 +201,26 @@ class _Node(Users):
 
 
 class NodeHost(_Node):
-    """Local rank 0's side: the physical processes, the listener, the forwarding."""
+    """The side of the first local rank to build the loader: the physical processes,
+    the listener, the forwarding."""
 
-    def __init__(self, ctx, processes: int, mine: dict, address: bytes, timeout: float,
-                 expected: int):
-        self.local_rank = 0
+    def __init__(self, ctx, processes: int, mine: dict, listener: socket.socket,
+                 timeout: float, local_rank: int):
+        self.local_rank = self.host_rank = local_rank
         self.host_pid = os.getpid()
         self._mine = mine
         # RLock: a collection inside _forward may run the loader's finaliser, so close()
         self._lock = threading.RLock()
         self._closed = False
-        self._listener: socket.socket | None = None
-        self._clients = 0  # ranks connected (each lets go when its loader is gone)
-        self._came = 0  # ranks that connected at all
-        self._expected = expected  # the other local ranks
+        self._closing = False  # this rank let go: no rank joins any more
+        self._listener: socket.socket | None = listener
+        self._clients = 0  # ranks joined (each lets go when its loader is gone)
+        self._joined: set = set()  # their sockets
         self._thread: threading.Thread | None = None
         self._pipes: list = []
         self._workers: list = []
-        self.segment = NodeSegment.create(processes)
         try:
+            self.segment = NodeSegment.create(processes)
             for p in range(processes):
                 with fork.creating():  # a child forked later closes the write end
                     read, write = ctx.Pipe(duplex=False)
@@ -431,16 +232,6 @@ class NodeHost(_Node):
             self.pids = [w.pid for w in self._workers]
             self._made()
             self._wait_started(timeout)
-            self._listener = held_socket()
-            try:
-                self._listener.bind(address)
-            except OSError as e:
-                raise RuntimeError(
-                    f"PoolLoader(node_pool=True): local rank 0 cannot listen for the other "
-                    f"ranks ({e}): another process of this job and node already hosts a "
-                    "node pool loader under that name (a loader built twice in the same "
-                    "order?)") from None
-            self._listener.listen(64)
             self._thread = threading.Thread(target=self._serve, name="poolloader-node-host",
                                             daemon=True)
             self._thread.start()
@@ -462,7 +253,8 @@ class NodeHost(_Node):
                 if time.monotonic() > deadline:
                     raise RuntimeError(
                         f"PoolLoader(node_pool=True): node pool process {p} (pid {worker.pid}) "
-                        f"did not start within {timeout:.0f} s ({TIMEOUT_ENV} sets the limit)")
+                        f"did not start within {timeout:.0f} s ({rendezvous.TIMEOUT_ENV} sets "
+                        "the limit)")
                 time.sleep(0.005)
 
     def _forward(self, key, placed: dict) -> None:
@@ -475,7 +267,7 @@ class NodeHost(_Node):
 
     def _serve(self) -> None:
         """The listener thread: accept ranks, check them, forward their attachments."""
-        selector = selectors.DefaultSelector()
+        selector = selectors.PollSelector()  # no select(): descriptors above 1024
         listener = self._listener
         assert listener is not None
         selector.register(listener, selectors.EVENT_READ)
@@ -485,55 +277,63 @@ class NodeHost(_Node):
                     sock = key.fileobj
                     if sock is listener:
                         try:
-                            with fork.creating():  # no fork between the accept and the hold
-                                conn, _ = listener.accept()
-                                fork.hold(conn.fileno())
+                            conn = rendezvous.accept(listener)
                         except OSError:
                             continue
-                        if not peer_is_a_local_rank(conn):
-                            close_socket(conn)
-                            continue
-                        conn.settimeout(30.0)
-                        selector.register(conn, selectors.EVENT_READ)
-                        self._clients += 1
-                        self._came += 1
+                        if conn is not None:
+                            conn.settimeout(30.0)
+                            selector.register(conn, selectors.EVENT_READ)
                         continue
                     try:
-                        self._answer(sock, _recv(sock))  # type: ignore[arg-type]
+                        self._answer(sock, rendezvous.recv(sock))  # type: ignore[arg-type]
                     except Exception:  # that rank let go, died, or sent what cannot be read
                         selector.unregister(sock)
-                        close_socket(sock)  # type: ignore[arg-type]
-                        self._clients -= 1  # that rank let go (or died)
+                        if sock in self._joined:
+                            self._joined.discard(sock)
+                            self._clients -= 1
+                        rendezvous.close_socket(sock)  # type: ignore[arg-type]
         except (OSError, ValueError):
             pass  # closed under the selector
         finally:
             for key in list(selector.get_map().values()):
                 if key.fileobj is not listener:
-                    close_socket(key.fileobj)  # type: ignore[arg-type]
+                    rendezvous.close_socket(key.fileobj)  # type: ignore[arg-type]
             selector.close()
 
-    def _answer(self, sock: socket.socket, message) -> None:
+    def _answer(self, sock, message) -> None:
         if message[0] == "hello":
-            difference = first_difference(message[1], self._mine)
-            if difference is not None:
-                _send(sock, ("refused", difference))
+            difference = rendezvous.first_difference(message[1], self._mine,
+                                                     f"local rank {self.host_rank}")
+            with self._lock:
+                closing = self._closing or self._closed
+                if not closing and difference is None:
+                    self._clients += 1
+                    self._joined.add(sock)
+            if closing:  # this rank let go: the other builds its own
+                rendezvous.send(sock, ("closing",))
+            elif difference is not None:
+                rendezvous.send(sock, ("refused", difference))
             else:
-                _send(sock, ("welcome", self.segment.locator, self.pids))
+                rendezvous.send(sock, ("welcome", self.segment.locator, self.pids,
+                                       self.host_rank))
         elif message[0] == "attach":
             try:
                 self._forward(message[1], message[2])
             except Exception as e:
-                _send(sock, ("failed", f"{type(e).__name__}: {e}"))
+                rendezvous.send(sock, ("failed", f"{type(e).__name__}: {e}"))
             else:
-                _send(sock, ("attached",))
+                rendezvous.send(sock, ("attached",))
 
     def close(self) -> None:
-        """Stop everything, once the other ranks let go (bounded by LINGER_S): the
-        listener, the physical processes (told, then the ladder), the node segment (the
-        host's lock goes: a rank still loading sees it within a tick)."""
+        """Stop everything, once the ranks connected let go (bounded by LINGER_S; a rank
+        that never came is not waited for): the listener, the physical processes (told,
+        then the ladder), the node segment (the host's lock goes: a rank still loading
+        sees it within a tick)."""
+        with self._lock:
+            self._closing = True  # a rank that comes now builds its own
         deadline = time.monotonic() + LINGER_S
         listening = self._thread is not None and self._thread is not threading.current_thread()
-        while (self._clients > 0 or self._came < self._expected) and listening \
+        while self._clients > 0 and listening \
                 and self._thread.is_alive() and time.monotonic() < deadline:  # type: ignore[union-attr]
             time.sleep(0.01)
         with self._lock:
@@ -546,54 +346,27 @@ class NodeHost(_Node):
                 except OSError:
                     pass
                 fork.release(pipe.fileno(), lambda _fd, pipe=pipe: pipe.close())
-            for bell in self.segment.bells:
+            segment = getattr(self, "segment", None)
+            for bell in segment.bells if segment is not None else ():
                 bell.ring()
         # the host's lock first: a rank that then finds a process gone says the host left
-        self.segment.close()
+        if segment is not None:
+            segment.close()
         if listening:
             self._thread.join(2.0)  # type: ignore[union-attr]
-        close_socket(self._listener)
+        rendezvous.close_socket(self._listener)
         supervise.stop(self._workers)
 
 
 class NodeClient(_Node):
-    """Another local rank's side: connected to the host, the node segment attached."""
+    """The side of a local rank that came after the host: connected to it, the node
+    segment attached."""
 
-    def __init__(self, local_rank: int, mine: dict, address: bytes, timeout: float):
+    def __init__(self, local_rank: int, sock: socket.socket, answer):
         self.local_rank = local_rank
-        self._sock: socket.socket | None = None
-        deadline = time.monotonic() + timeout
-        while True:
-            sock = held_socket()
-            try:
-                sock.connect(address)
-                break
-            except (FileNotFoundError, ConnectionRefusedError):
-                close_socket(sock)
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"PoolLoader(node_pool=True): local rank {local_rank} found no node "
-                        f"pool to join within {timeout:.0f} s: local rank 0 did not build its "
-                        "loader (the same node-pool loaders must be built in the same order on "
-                        f"every local rank). {TIMEOUT_ENV} sets the wait; node_pool=False "
-                        "gives this rank its own workers.") from None
-                time.sleep(0.05)
-        self._sock = sock
+        self._sock: socket.socket | None = sock
         try:
-            if not peer_is_a_local_rank(sock):
-                raise RuntimeError("PoolLoader(node_pool=True): the node pool's socket is held "
-                                   "by a process that is not a local rank of this job")
-            sock.settimeout(max(1.0, deadline - time.monotonic()))
-            _send(sock, ("hello", mine))
-            answer = _recv(sock)
-            if answer[0] == "refused":
-                raise ValueError(
-                    f"PoolLoader(node_pool=True): local rank {local_rank}'s loader differs from "
-                    f"local rank 0's, built in the same order, in {answer[1]}. The local ranks' "
-                    "node-pool loaders must be built in the same order, each with the same "
-                    "dataset (class and length), collate_fn, batch_size, drop_last, num_workers "
-                    "and node_workers; or pass node_pool=False to this one.")
-            _, locator, self.pids = answer
+            _, locator, self.pids, self.host_rank = answer
             sock.settimeout(30.0)
             self.segment = NodeSegment.attach(locator)
             self.host_pid = locator[0]
@@ -609,26 +382,30 @@ class NodeClient(_Node):
         if self._sock is None:
             raise RuntimeError("PoolLoader(node_pool=True): this node pool was closed")
         try:  # bounded by the socket's timeout
-            _send(self._sock, ("attach", key, placed))
-            answer = _recv(self._sock)
+            rendezvous.send(self._sock, ("attach", key, placed))
+            answer = rendezvous.recv(self._sock)
         except (OSError, ConnectionError) as e:
-            raise WorkerDied(f"PoolLoader(node_pool=True): the node pool's host, local rank 0 "
-                             f"(pid {self.host_pid}), cannot be reached: {e}") from None
+            raise WorkerDied(f"PoolLoader(node_pool=True): the node pool's host, local rank "
+                             f"{self.host_rank} (pid {self.host_pid}), cannot be reached: "
+                             f"{e}") from None
         if answer[0] != "attached":
-            raise RuntimeError(f"PoolLoader(node_pool=True): local rank 0 could not hand this "
-                               f"rank's workers to the node's processes: {answer[1]}")
+            raise RuntimeError(f"PoolLoader(node_pool=True): local rank {self.host_rank} could "
+                               f"not hand this rank's workers to the node's processes: "
+                               f"{answer[1]}")
 
     def close(self) -> None:
         sock, self._sock = self._sock, None
-        close_socket(sock)
+        rendezvous.close_socket(sock)
         segment = getattr(self, "segment", None)
         if segment is not None:
             segment.close()
 
 
-def join(loader, ctx, processes: int, group: LocalGroup) -> _Node:
-    """The node pool of `loader` (built on every local rank in the same order): host it
-    (local rank 0) or join it; closed when the loader is collected, or at exit."""
+def join(loader, ctx, processes: int, group: rendezvous.LocalGroup) -> _Node | None:
+    """The node pool of `loader`: the first local rank to build a loader at this place
+    in the program (rendezvous.build_site) hosts it, the others that build one there
+    join it; closed when the loader is collected, or at exit. None where the loader
+    the host built there differs (a warning says how): then this one is ordinary."""
     from poolloader.shm.backends import memfd
 
     backend = loader.shm_backend or os.environ.get("POOLLOADER_SHM_BACKEND")
@@ -641,15 +418,40 @@ def join(loader, ctx, processes: int, group: LocalGroup) -> _Node:
         raise OSError(f"PoolLoader(node_pool=True) needs anonymous shared memory that other "
                       f"processes can open: {why_not}; pass node_pool=False")
     rank, size, run_key, _ranks = group
-    os.environ[RANK_PID_ENV] = str(os.getpid())
-    address = rendezvous_address(run_key, next(_ordinal))
+    os.environ[rendezvous.RANK_PID_ENV] = str(os.getpid())
+    name = rendezvous.address(run_key, rendezvous.place("node", rendezvous.build_site()))
     mine = fingerprint(loader, processes)
-    timeout = rendezvous_timeout()
+    timeout = rendezvous.rendezvous_timeout()
+    deadline = time.monotonic() + timeout
+    what = f"PoolLoader(node_pool=True) on local rank {rank}"
     node: _Node
-    if rank == 0:
-        node = NodeHost(ctx, processes, mine, address, timeout, expected=size - 1)
-    else:
-        node = NodeClient(rank, mine, address, timeout)
+    while True:
+        hosting, sock = rendezvous.meet(name, socket.SOCK_STREAM, deadline, what)
+        if hosting:
+            node = NodeHost(ctx, processes, mine, sock, timeout, rank)
+            break
+        try:
+            sock.settimeout(max(1.0, deadline - time.monotonic()))
+            rendezvous.send(sock, ("hello", mine))
+            answer = rendezvous.recv(sock)
+        except (OSError, ConnectionError) as e:
+            rendezvous.close_socket(sock)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what}: the local rank hosting the loader built at the "
+                                   f"same place did not answer: {e}") from None
+            continue  # it let go meanwhile: meet again
+        if answer[0] == "welcome":
+            node = NodeClient(rank, sock, answer)
+            break
+        rendezvous.close_socket(sock)
+        if answer[0] == "refused":
+            warn(f"PoolLoader(node_pool=True): local rank {rank}'s loader differs from the one "
+                 f"built at the same place in the program on another local rank, in "
+                 f"{answer[1]}; this rank runs its own workers for it (pass node_pool=False "
+                 "to say so, or build the same loader there on every local rank to share the "
+                 "node's processes)")
+            return None
+        time.sleep(rendezvous.CONNECT_RETRY_S)  # "closing": it lets go now; meet again
     node.local_world = size
     node.acquire()
     weakref.finalize(loader, node.release)

@@ -27,21 +27,21 @@ What keeps it exact and safe:
   on, with a warning on the leader; a leader that exits, or whose iterator fails, is an
   error on every follower at its next wait (the socket closes, or says why).
 
-Rendezvous as for node_pool (poolloader.main.node): the name carries the uid, the PID
-namespace, torchrun's agent, run id, node rank and restart, the leader's rank and the
-loader's ordinal among this process's share_batches loaders; both ends check the peer
-(SO_PEERCRED) before anything is unpickled, and a follower whose loader differs from
-the leader's (dataset class and length, collate_fn, batch_size, drop_last,
-num_workers, worker_init_fn, persistent_workers, the resume options: `fingerprint`) is
-refused at construction.
+Rendezvous (poolloader.main.rendezvous): the group's loaders meet where they are built
+in the program, by a name that carries the job, the group's ranks on this node and that
+place; the leader listens, each follower connects (waiting for the leader up to
+POOLLOADER_NODE_TIMEOUT). Both ends check the peer (SO_PEERCRED) before anything is
+unpickled, and a follower whose loader differs from the leader's (dataset class and
+length, collate_fn, batch_size, drop_last, num_workers, worker_init_fn,
+persistent_workers, the resume options: `fingerprint`) is refused at construction.
+Every rank of a group must build its loaders at the same places (they consume the same
+batches): a loader only the leader builds waits for its followers at its first batch.
 """
 from __future__ import annotations
 
 import collections
-import itertools
 import os
 import pickle
-import select
 import socket
 import struct
 import threading
@@ -54,7 +54,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from poolloader.cuda import gate
 from poolloader.errors import WorkerDied, warn
-from poolloader.main import node
+from poolloader.main import node, rendezvous
 from poolloader.main.share_cuda import FollowerCuda
 from poolloader.resume.tracker import IteratorSetup, ResumeTracker
 from poolloader.shm import fork
@@ -66,8 +66,6 @@ from poolloader.wire import slot_format as fmt
 # hold when it takes a slot (the one each consumes and the one whose release rides
 # with its next next()).
 SHARE_SLACK = 2
-# share_batches loaders built in this process, per group on this node (its ranks here)
-_ordinals: dict[tuple[int, ...], itertools.count] = {}
 _MAX_MESSAGE = 1 << 20  # a batch's indices, pickled, must fit: checked when sent
 # How long the leader's send to a follower may wait for room (a follower that stopped
 # taking its batches while the leader went on for thousands): then an error.
@@ -107,8 +105,8 @@ def plan(ranks: list[int] | None):
     if ranks is None:
         return None
     # also on a rank outside the group: through torch.distributed every rank of the world
-    # takes part in finding the node, once (node._dist_group)
-    group = node.local_group()
+    # takes part in finding the node, once (rendezvous._dist_group)
+    group = rendezvous.local_group()
     if not ranks or group is None or group.ranks is None:
         return None
     rank = group.ranks[group.rank]
@@ -151,17 +149,6 @@ def fingerprint(loader) -> dict:
     return mine
 
 
-def _address(run_key: str, here: tuple[int, ...], k: int) -> bytes:
-    """The group's members on this node are in the name: two groups with the same leader
-    ([0, 1] and [0, 2]) do not meet."""
-    return node.rendezvous_address(f"{run_key}/share/{'-'.join(map(str, here))}", k)
-
-
-def _peer_pid(sock: socket.socket) -> int:
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", creds)[0]
-
-
 def _pack(message) -> bytes:
     return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
 
@@ -183,7 +170,8 @@ class ShareLeader(node.Users):
 
     role = "leader"
 
-    def __init__(self, loader, address: bytes, rank: int, followers: list[int], timeout: float):
+    def __init__(self, loader, listener: socket.socket, rank: int, followers: list[int],
+                 timeout: float):
         self.rank = rank
         self.expected = list(followers)
         self._mine = fingerprint(loader)
@@ -193,20 +181,13 @@ class ShareLeader(node.Users):
         self._closed = False
         self._warned_large = False  # tell_seen: a record too large to tell
         self._refused: list[str] = []
+        self._failed: BaseException | None = None  # what stopped the accept thread
         self.ledger: Any = None  # the current iterator's SlotLedger (its `shared` counts)
         self._pool_id = 0  # one per ledger: a late release of an older pool's slot is stale
         self._epoch = 0
         self._n = 0
         self._ended = True
-        self._listener = node.held_socket(socket.SOCK_SEQPACKET)
-        try:
-            self._listener.bind(address)
-            self._listener.listen(64)
-        except OSError as e:
-            node.close_socket(self._listener)
-            raise RuntimeError(f"PoolLoader(share_batches=...): rank {rank} cannot listen for "
-                               f"its followers ({e}): a loader built twice in the same order?") \
-                from None
+        self._listener = listener
         self._thread = threading.Thread(target=self._accept, name="poolloader-share-leader",
                                         daemon=True)
         self._thread.start()
@@ -219,33 +200,34 @@ class ShareLeader(node.Users):
 
     # -- joining ------------------------------------------------------------------
     def _accept(self) -> None:
+        try:
+            self._accept_followers()
+        except BaseException as e:  # told by _wait_joined, at once
+            self._failed = e
+
+    def _accept_followers(self) -> None:
         listener = self._listener
         while not self._closed and len(self._followers) < len(self.expected):
+            if not rendezvous.wait_readable(listener, 0.25):
+                continue
+            if self._closed:
+                return
+            conn = rendezvous.accept(listener)
+            if conn is None:
+                continue
             try:
-                ready, _, _ = select.select([listener], [], [], 0.25)
-                if not ready:
-                    continue
-                with fork.creating():
-                    conn, _ = listener.accept()
-                    fork.hold(conn.fileno())
-            except (OSError, ValueError):
-                return  # closed under us
-            try:
-                if not node.peer_is_a_local_rank(conn):
-                    raise ConnectionError("not a local rank of this job")
                 conn.settimeout(30.0)
                 hello = pickle.loads(conn.recv(_MAX_MESSAGE))
                 theirs, rank = hello["fingerprint"], hello["rank"]
-                difference = node.first_difference(theirs, self._mine)
+                difference = rendezvous.first_difference(theirs, self._mine, f"rank {self.rank}")
                 if rank not in self.expected or any(f.rank == rank for f in self._followers):
                     difference = f"rank {rank} is not an expected follower {self.expected}"
                 if difference is not None:
                     # the follower's words are its own ("here": its value)
-                    mine = node.first_difference(self._mine, theirs) or difference
-                    self._refused.append(f"rank {rank}: {mine.replace('local rank 0', f'rank {rank}')}")
-                    conn.send(_pack(("refused", difference.replace("local rank 0",
-                                                                   f"rank {self.rank}"))))
-                    node.close_socket(conn)
+                    mine = rendezvous.first_difference(self._mine, theirs, f"rank {rank}")
+                    self._refused.append(f"rank {rank}: {mine or difference}")
+                    conn.send(_pack(("refused", difference)))
+                    rendezvous.close_socket(conn)
                     continue
                 conn.send(_pack(("welcome",)))
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
@@ -257,13 +239,21 @@ class ShareLeader(node.Users):
                 with self._lock:
                     if self._closed:
                         raise ConnectionError("closed meanwhile")
-                    self._followers.append(_Follower(conn, rank, _peer_pid(conn)))
-            except Exception:
-                node.close_socket(conn)
+                    self._followers.append(_Follower(conn, rank, rendezvous.peer(conn)[0]))
+            except (OSError, ConnectionError, pickle.UnpicklingError, EOFError, KeyError,
+                    TypeError):
+                rendezvous.close_socket(conn)  # that follower gave up or sent nonsense
 
     def _wait_joined(self) -> None:
         deadline = time.monotonic() + self._timeout
-        while len(self._followers) < len(self.expected) and self._thread.is_alive():
+        while len(self._followers) < len(self.expected):
+            if self._failed is not None:
+                raise RuntimeError(f"PoolLoader(share_batches=...): rank {self.rank} stopped "
+                                   f"accepting the ranks it shares batches with: "
+                                   f"{type(self._failed).__name__}: {self._failed}") \
+                    from self._failed
+            if not self._thread.is_alive():
+                break
             if self._refused:
                 raise ValueError(f"PoolLoader(share_batches=...): rank {self.rank} refused a "
                                  f"rank of its group whose loader differs: "
@@ -273,8 +263,8 @@ class ShareLeader(node.Users):
                 raise RuntimeError(
                     f"PoolLoader(share_batches=...): rank {self.rank} waited {self._timeout:.0f} s "
                     f"for the ranks {self.expected} it shares batches with, and only {came} "
-                    "came (each must build the same loader, in the same order; "
-                    f"{node.TIMEOUT_ENV} sets the wait)")
+                    "came (each must build the same loader at the same place in the program; "
+                    f"{rendezvous.TIMEOUT_ENV} sets the wait)")
             time.sleep(0.005)
 
     # -- per epoch and per batch ---------------------------------------------------------
@@ -401,7 +391,7 @@ class ShareLeader(node.Users):
             if f not in self._followers:
                 return
             self._followers.remove(f)
-        node.close_socket(f.sock)
+        rendezvous.close_socket(f.sock)
         if self.ledger is not None:
             # its batches may outlive its socket (a batch still viewed after its loader
             # was collected): what it held is never rewritten, only detached
@@ -418,10 +408,10 @@ class ShareLeader(node.Users):
             self._closed = True
             followers, self._followers = self._followers, []
         for f in followers:
-            node.close_socket(f.sock)
+            rendezvous.close_socket(f.sock)
         if self._thread is not threading.current_thread():
             self._thread.join(1.0)  # it polls every 0.25 s
-        node.close_socket(self._listener)
+        rendezvous.close_socket(self._listener)
 
 
 class ShareFollower(node.Users):
@@ -447,34 +437,39 @@ class ShareFollower(node.Users):
         self._early: tuple | None = None  # a later epoch's message, read while this one ran
         self._epoch = 0
         deadline = time.monotonic() + timeout
+        what = f"PoolLoader(share_batches=...) on rank {rank}"
         while True:
-            sock = node.held_socket(socket.SOCK_SEQPACKET)
-            try:
-                sock.connect(address)
+            sock = rendezvous.connect(address, socket.SOCK_SEQPACKET, what)
+            if sock is not None:
                 break
-            except (FileNotFoundError, ConnectionRefusedError):
-                node.close_socket(sock)
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"PoolLoader(share_batches=...): rank {rank} found no leader to share "
-                        f"batches with within {timeout:.0f} s: rank {leader} did not build its "
-                        f"loader ({node.TIMEOUT_ENV} sets the wait)") from None
-                time.sleep(0.05)
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"PoolLoader(share_batches=...): rank {rank} found no leader to share "
+                    f"batches with within {timeout:.0f} s: rank {leader} built no loader at "
+                    f"the same place in the program ({rendezvous.TIMEOUT_ENV} sets the wait)")
+            time.sleep(rendezvous.CONNECT_RETRY_S)
         self._sock = sock
         try:
-            if not node.peer_is_a_local_rank(sock):
-                raise RuntimeError("PoolLoader(share_batches=...): the leader's socket is held by "
-                                   "a process that is not a local rank of this job")
-            self.leader_pid = _peer_pid(sock)
+            self.leader_pid = rendezvous.peer(sock)[0]
             sock.settimeout(max(1.0, deadline - time.monotonic()))
             sock.send(_pack({"fingerprint": fingerprint(loader),
                              "rank": rank}))
-            answer = pickle.loads(sock.recv(_MAX_MESSAGE))
+            try:
+                data = sock.recv(_MAX_MESSAGE)
+            except OSError as e:
+                data, why = b"", f"{type(e).__name__}: {e}"
+            else:
+                why = "it closed the connection"
+            if not data:
+                raise RuntimeError(f"PoolLoader(share_batches=...): rank {rank} reached its "
+                                   f"leader, rank {leader} (pid {self.leader_pid}), which did "
+                                   f"not take it in: {why}")
+            answer = pickle.loads(data)
             if answer[0] == "refused":
                 raise ValueError(
                     f"PoolLoader(share_batches=...): rank {rank}'s loader differs from rank "
                     f"{leader}'s, whose batches it would share, in {answer[1]}. The ranks of a "
-                    "group must build the same loaders in the same order.")
+                    "group must build the same loaders at the same place in the program.")
             sock.settimeout(30.0)
         except BaseException:
             self.close()
@@ -530,8 +525,7 @@ class ShareFollower(node.Users):
             raise RuntimeError("PoolLoader(share_batches=...): this loader was closed")
         started = time.monotonic()
         while True:
-            ready, _, _ = select.select([sock], [], [], 1.0)
-            if ready:
+            if rendezvous.wait_readable(sock, 1.0):
                 break
             if self._timeout and time.monotonic() - started > self._timeout:
                 raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds "
@@ -631,7 +625,7 @@ class ShareFollower(node.Users):
 
     def close(self) -> None:
         sock, self._sock = self._sock, None
-        node.close_socket(sock)
+        rendezvous.close_socket(sock)
         cuda, self.cuda = self.cuda, None
         if cuda is not None:
             cuda.close()  # maybe from a finaliser: no CUDA call (FollowerCuda.close)
@@ -735,19 +729,27 @@ class FollowerIter(_BaseDataLoaderIter):
 
 def join(loader, share_batches) -> ShareLeader | ShareFollower | None:
     """This loader's side of its share_batches group on this node (None: it shares
-    nothing here); closed when the loader is collected."""
+    nothing here); the group's loaders meet where they are built in the program
+    (poolloader.main.rendezvous); closed when the loader is collected."""
     found = plan(members(share_batches))
     if found is None:
         return None
     check(loader)
-    os.environ[node.RANK_PID_ENV] = str(os.getpid())  # this process's children are not ranks
+    os.environ[rendezvous.RANK_PID_ENV] = str(os.getpid())  # its children are not ranks
     leader, rank, followers, run_key = found
-    here = (leader, *followers)
-    address = _address(run_key, here, next(_ordinals.setdefault(here, itertools.count())))
-    timeout = node.rendezvous_timeout()
+    here = "-".join(map(str, (leader, *followers)))  # [0, 1] and [0, 2] do not meet
+    address = rendezvous.address(run_key, rendezvous.place(f"share/{here}",
+                                                           rendezvous.build_site()))
+    timeout = rendezvous.rendezvous_timeout()
     side: ShareLeader | ShareFollower
     if rank == leader:
-        side = ShareLeader(loader, address, rank, followers, timeout)
+        what = f"PoolLoader(share_batches=...) on rank {rank}"
+        listener = rendezvous.listen(address, socket.SOCK_SEQPACKET, what)
+        if listener is None:
+            rendezvous.close_socket(rendezvous.connect(address, socket.SOCK_SEQPACKET, what))
+            raise RuntimeError(f"{what}: another process of this job listens for this loader's "
+                               "followers (internal error: a place built twice)")
+        side = ShareLeader(loader, listener, rank, followers, timeout)
     else:
         side = ShareFollower(loader, address, leader, rank, timeout)
     side.acquire()

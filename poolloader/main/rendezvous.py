@@ -1,0 +1,355 @@
+"""How the local ranks' loaders find each other: the node pool (poolloader.main.node)
+and share_batches (poolloader.main.share) both meet here.
+
+Who: `local_group()`, this rank's place among the job's ranks on this node (torchrun's
+variables, else an initialised torch.distributed's store).
+
+Where: loaders meet by what every rank agrees on, never by a per-process count: the
+place in the program that builds them (`build_site`: the file and line of every frame
+of the user's call stack, from the innermost outside poolloader and torch.utils.data
+out, so one helper that builds the train and the evaluation loaders gives two places)
+and the k-th build at that place in this process. Real scripts build some loaders on
+some ranks only (evaluation on rank 0): such a loader meets nobody and is an ordinary
+one, and a rank never joins a loader built at another place.
+
+The name (`address`): an abstract Unix socket (nothing on disk or in /dev/shm; it goes
+with its holder) named from the uid, the PID namespace, a hash of the job (torchrun's
+agent, run id, node rank and restart, or the local ranks' pids) with a part no other
+user can read (torchrun's run id and master port from the environment, which /proc
+shows only to this user; through torch.distributed, a random token each rank put in
+the store), the kind of meeting and the place. `meet`: the first rank to bind the name
+hosts, the others connect; a name held by anyone else is an error naming them. Both ends
+check the other's uid and that it is a local rank of this job (SO_PEERCRED) before
+anything it sends is unpickled.
+
+Messages: a 4-byte length, then a pickle, over SOCK_STREAM (`send`, `recv`); every
+wait is `wait_readable`'s poll (no select(): a descriptor above 1024 is fine).
+"""
+from __future__ import annotations
+
+import collections
+import datetime
+import errno
+import hashlib
+import os
+import pickle
+import secrets
+import select
+import socket
+import struct
+import time
+import typing
+from typing import NamedTuple
+
+from poolloader.errors import user_frame
+from poolloader.shm import fork
+
+# Set by a rank when it joins its first node pool or share group, to its pid: a process
+# that inherits torchrun's variables from a rank (a worker, a subprocess) is not that
+# rank, and its loaders are ordinary ones (local_group).
+RANK_PID_ENV = "POOLLOADER_NODE_RANK_PID"
+TIMEOUT_ENV = "POOLLOADER_NODE_TIMEOUT"
+# How long a rank waits for the loader it joins to answer, and a host for its physical
+# processes to start (seconds; TIMEOUT_ENV overrides).
+RENDEZVOUS_TIMEOUT = 120.0
+CONNECT_RETRY_S = 0.02  # between tries while the name is free or not yet listening
+_MAX_MESSAGE = 64 << 20  # a framed message's limit (a rank's workers' configs)
+# builds per (kind, place) in this process: the k of the k-th build there
+_builds: collections.Counter = collections.Counter()
+
+
+class LocalGroup(NamedTuple):
+    """This process's place among the job's ranks on this node."""
+
+    rank: int  # local rank
+    size: int  # local world size
+    run_key: str  # the same on every local rank of this job, and only there
+    ranks: tuple[int, ...] | None  # the node's global ranks by local rank (None: unknown)
+
+
+def local_group() -> LocalGroup | None:
+    """This rank's LocalGroup where 2 or more ranks of the job share this node; None
+    otherwise, where node_pool=True is an ordinary PoolLoader. Under torchrun from its
+    variables (LOCAL_RANK, LOCAL_WORLD_SIZE, TORCHELASTIC_RUN_ID, GROUP_RANK, RANK);
+    else from an initialised torch.distributed (mp.spawn, a launcher of one's own):
+    see _dist_group."""
+    env = os.environ
+    if env.get(RANK_PID_ENV, str(os.getpid())) != str(os.getpid()):
+        return None  # a child of the rank (RANK_PID_ENV)
+    run_id = env.get("TORCHELASTIC_RUN_ID")
+    try:
+        rank, size = int(env["LOCAL_RANK"]), int(env["LOCAL_WORLD_SIZE"])
+    except (KeyError, ValueError):
+        run_id = None
+    if not run_id:  # not torchrun (a launcher may set LOCAL_RANK of its own)
+        return _dist_group()
+    if size < 2 or not 0 <= rank < size:
+        return None
+    try:
+        first = int(env["RANK"]) - rank  # torchrun gives a node consecutive global ranks
+        ranks: tuple[int, ...] | None = tuple(range(first, first + size))
+    except (KeyError, ValueError):
+        ranks = None
+    # the agent's pid: torchrun's default run id, "none", is shared by every job; the run
+    # id and master port as the unreadable part (module docstring)
+    key = f"torchrun/{os.getppid()}/{run_id}/{env.get('GROUP_RANK', '0')}/" \
+          f"{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/{env.get('MASTER_PORT', '')}"
+    return LocalGroup(rank, size, key, ranks)
+
+
+# The local ranks' pids where the group came from torch.distributed: then a peer must be
+# one of them (peer_is_a_local_rank); and the group found for the current default
+# process group (_dist_group), kept for that group only.
+_dist_peers: set[int] = set()
+_dist_found: list = []  # [(the default process group, LocalGroup or None)]: one at most
+
+
+def _node_identity() -> str:
+    """What two processes that can share memfd segments and abstract sockets share: the
+    machine's boot, the user, the PID and network namespaces."""
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        boot = f.read().strip()
+    return (f"{boot}/{os.getuid()}/{os.stat('/proc/self/ns/pid').st_ino}/"
+            f"{os.stat('/proc/self/ns/net').st_ino}")
+
+
+def _dist_group() -> LocalGroup | None:
+    """The LocalGroup from an initialised torch.distributed default process group.
+
+    Once per process group, every rank of the world writes its node's identity, its pid
+    and a random token to the group's store (keys poolloader/node/<rank>) and reads
+    every rank's, bounded by rendezvous_timeout(): the ranks of this node by global rank
+    are its local ranks. It needs every rank of the world to build a node-pool or
+    share_batches loader (as every local rank must, under torchrun); the store is read
+    once, not per loader. The run key is those ranks' pids and tokens: the same on each
+    of them, and on no other job's."""
+    try:
+        import torch.distributed as dist
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        default = dist.group.WORLD
+    except (ImportError, RuntimeError, AttributeError):
+        return None
+    if _dist_found and _dist_found[0][0] is default:
+        return _dist_found[0][1]
+    _dist_found.clear()  # an earlier, destroyed group's: not kept alive
+    _dist_peers.clear()
+    world, me = dist.get_world_size(), dist.get_rank()
+    found = None
+    if world >= 2:
+        store = dist.distributed_c10d._get_default_store()
+        keys = [f"poolloader/node/{r}" for r in range(world)]
+        store.set(keys[me], f"{_node_identity()} {os.getpid()} {secrets.token_hex(8)}")
+        timeout = rendezvous_timeout()
+        try:
+            store.wait(keys, datetime.timedelta(seconds=timeout))
+        except RuntimeError:
+            missing = [r for r, k in enumerate(keys) if not store.check([k])]
+            raise RuntimeError(
+                f"PoolLoader(node_pool/share_batches): rank {me} waited {timeout:.0f} s for "
+                f"every rank of the torch.distributed world ({world}) to build its loader; "
+                f"ranks {missing} did not (each rank must build the same node-pool and "
+                f"share_batches loaders). {TIMEOUT_ENV} sets the wait; node_pool=False and "
+                "share_batches=None give this rank an ordinary loader.") from None
+        entries = [store.get(k).decode().rsplit(" ", 2) for k in keys]
+        here = [r for r, (identity, _pid, _token) in enumerate(entries)
+                if identity == entries[me][0]]
+        if len(here) >= 2:
+            pids = [int(entries[r][1]) for r in here]
+            _dist_peers.update(p for p in pids if p != os.getpid())
+            found = LocalGroup(here.index(me), len(here),
+                               "dist/" + "/".join(f"{entries[r][1]}.{entries[r][2]}" for r in here),
+                               tuple(here))
+    _dist_found.append((default, found))
+    return found
+
+
+def rendezvous_timeout() -> float:
+    value = os.environ.get(TIMEOUT_ENV)
+    if value is None:
+        return RENDEZVOUS_TIMEOUT
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{TIMEOUT_ENV}={value!r}: a number of seconds") from None
+
+
+# -- where a loader is built --------------------------------------------------------------
+
+def build_site() -> str:
+    """The place in the user's code that is building a loader now (module docstring):
+    every frame's file and line from the innermost outside poolloader, torch.utils.data
+    and typing, outwards, as a short hash."""
+    frame: typing.Any
+    frame, _level = user_frame(skip=(typing.__file__,))
+    lines = []
+    while frame is not None:
+        lines.append(f"{frame.f_code.co_filename}:{frame.f_lineno}")
+        frame = frame.f_back
+    return hashlib.blake2b("\n".join(lines).encode(), digest_size=8).hexdigest()
+
+
+def place(kind: str, site: str) -> str:
+    """`site` with the number of earlier builds of `kind` there in this process."""
+    k = _builds[kind, site]
+    _builds[kind, site] += 1
+    return f"{kind}/{site}/{k}"
+
+
+def address(run_key: str, where: str) -> bytes:
+    """The abstract socket name of the meeting `where` (place()) of this job."""
+    namespace = os.stat("/proc/self/ns/pid").st_ino
+    run = hashlib.blake2b(f"{run_key}\n{where}".encode(), digest_size=12).hexdigest()
+    return f"\0poolloader-{os.getuid()}-{namespace}-{run}".encode()
+
+
+def first_difference(mine: dict, theirs: dict, whose: str) -> str | None:
+    """The first key whose value differs, as "key: mine here, theirs on `whose`"."""
+    for key in mine:
+        if mine[key] != theirs.get(key):
+            return f"{key}: {mine[key]!r} here, {theirs.get(key)!r} on {whose}"
+    return None
+
+
+# -- sockets --------------------------------------------------------------------------------
+
+def held_socket(kind: int = socket.SOCK_STREAM) -> socket.socket:
+    """A Unix socket a forked child closes at once (poolloader.shm.fork)."""
+    with fork.creating():
+        sock = socket.socket(socket.AF_UNIX, kind)
+        fork.hold(sock.fileno())
+    return sock
+
+
+def close_socket(sock: socket.socket | None) -> None:
+    if sock is not None and sock.fileno() >= 0:
+        fork.release(sock.detach())
+
+
+def wait_readable(sock: socket.socket, timeout: float) -> bool:
+    """Whether `sock` has something to read (or was closed) within `timeout` seconds."""
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN)
+    return bool(poller.poll(max(0, int(timeout * 1000))))
+
+
+def peer(sock: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of the other end."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, _gid = struct.unpack("3i", creds)
+    return pid, uid
+
+
+def _parent_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return int(stat[stat.rfind(b")") + 2:].split()[1])
+
+
+def peer_is_a_local_rank(sock: socket.socket) -> bool:
+    """Whether the other end is a process of this user, in this PID namespace, that is
+    another local rank of this job: through torch.distributed, one whose pid the job's
+    store gave (_dist_group); under torchrun, one whose parent is ours (the agent).
+    Checked before anything it sends is unpickled."""
+    pid, uid = peer(sock)
+    if uid != os.getuid() or pid <= 0:
+        return False
+    if _dist_peers:
+        return pid in _dist_peers
+    return _parent_of(pid) == os.getppid()
+
+
+def listen(name: bytes, kind: int, what: str) -> socket.socket | None:
+    """A socket bound to `name` and listening; None where the name is taken."""
+    sock = held_socket(kind)
+    try:
+        sock.bind(name)
+        sock.listen(64)
+        return sock
+    except OSError as e:
+        close_socket(sock)
+        if e.errno != errno.EADDRINUSE:
+            raise RuntimeError(f"{what}: cannot listen for the other local ranks: {e}") from None
+    return None
+
+
+def connect(name: bytes, kind: int, what: str) -> socket.socket | None:
+    """A socket connected to the local rank listening on `name`; None where nobody
+    listens there. A holder that is not a local rank of this job is an error naming it:
+    another user or job took the name first."""
+    sock = held_socket(kind)
+    try:
+        sock.connect(name)
+    except (FileNotFoundError, ConnectionRefusedError):
+        close_socket(sock)
+        return None
+    if not peer_is_a_local_rank(sock):
+        pid, uid = peer(sock)
+        close_socket(sock)
+        raise RuntimeError(
+            f"{what}: its rendezvous name {name[1:].decode()!r} is in use (EADDRINUSE) by "
+            f"pid {pid} of uid {uid}, which is not a local rank of this job: another job or "
+            "user holds it. node_pool=False / share_batches=None build this loader without "
+            "meeting")
+    return sock
+
+
+def meet(name: bytes, kind: int, deadline: float, what: str) -> tuple[bool, socket.socket]:
+    """(True, a socket listening on `name`) for the first local rank to come, or (False,
+    a socket connected to that rank's) for the others. Where the name is taken but
+    nobody listens (a holder closing), tries again until `deadline`."""
+    while True:
+        sock = listen(name, kind, what)
+        if sock is not None:
+            return True, sock
+        sock = connect(name, kind, what)
+        if sock is not None:
+            return False, sock
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what}: the loader built at the same place on another local "
+                               f"rank held its rendezvous name without answering for "
+                               f"{rendezvous_timeout():.0f} s ({TIMEOUT_ENV} sets the wait)")
+        time.sleep(CONNECT_RETRY_S)
+
+
+def accept(listener: socket.socket) -> socket.socket | None:
+    """The next connection from a local rank of this job (after wait_readable); None for
+    anyone else (closed at once) or when nothing was there."""
+    try:
+        with fork.creating():  # no fork between the accept and the hold
+            conn, _ = listener.accept()
+            fork.hold(conn.fileno())
+    except (BlockingIOError, InterruptedError):
+        return None
+    if not peer_is_a_local_rank(conn):
+        close_socket(conn)
+        return None
+    return conn
+
+
+def send(sock: socket.socket, message) -> None:
+    """A framed message over SOCK_STREAM: its length, then its pickle."""
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    sock.sendall(struct.pack("!I", len(data)) + data)
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    parts, got = [], 0
+    while got < n:
+        part = sock.recv(n - got)
+        if not part:
+            raise ConnectionError("the other end closed the connection")
+        parts.append(part)
+        got += len(part)
+    return b"".join(parts)
+
+
+def recv(sock: socket.socket):
+    """The next framed message (send's), waiting as long as the socket's timeout."""
+    (n,) = struct.unpack("!I", _recv_exactly(sock, 4))
+    if n > _MAX_MESSAGE:
+        raise ConnectionError(f"a message of {n} bytes announced, over {_MAX_MESSAGE}")
+    return pickle.loads(_recv_exactly(sock, n))
