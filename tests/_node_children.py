@@ -182,12 +182,41 @@ class Shards(IterableDataset):
             yield torch.tensor([i, info.id, random.randint(0, 10**6)])
 
 
+_node_builds = [0]  # node-pool loaders this rank built (host_first)
+
+
+def host_first(build):
+    """build(), a node-pool loader, by local rank 0 before the other local ranks: the
+    first rank to build one at a place hosts it, and the cases that name the host (its
+    children, its death) want it to be local rank 0."""
+    k = _node_builds[0]
+    _node_builds[0] += 1
+    flag = os.path.join(OUT, f"hosted.{os.environ.get('GROUP_RANK', '0')}.{k}")
+    if DIST:  # every rank finds the node through the store first, together
+        from poolloader.main import rendezvous
+        rendezvous.local_group()
+    first = int(os.environ.get("LOCAL_RANK", RANK)) == 0
+    deadline = time.monotonic() + MEET_S
+    while not first and not os.path.exists(flag):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {RANK}: local rank 0 did not build node loader {k}")
+        time.sleep(0.01)
+    try:
+        return build()  # one line for every rank: loaders meet where they are built
+    finally:
+        if first:
+            open(flag, "w").close()
+
+
 def loader(cls, persistent=False, batch_size=BATCH, n=N_SAMPLES, **kw):
     dataset = Augmented(n)
     sampler = DistributedSampler(dataset, num_replicas=WORLD, rank=RANK, shuffle=True, seed=5)
-    return cls(dataset, batch_size=batch_size, sampler=sampler, num_workers=WORKERS,
-               worker_init_fn=init_fn, persistent_workers=persistent,
-               generator=torch.Generator().manual_seed(11 + RANK), **kw), sampler
+
+    def build():
+        return cls(dataset, batch_size=batch_size, sampler=sampler, num_workers=WORKERS,
+                   worker_init_fn=init_fn, persistent_workers=persistent,
+                   generator=torch.Generator().manual_seed(11 + RANK), **kw)
+    return (host_first(build) if kw.get("node_pool") else build()), sampler
 
 
 def epochs(pair, n=2, during=None):
@@ -257,9 +286,12 @@ def shared_loader(cls, phase, persistent=False, n=N_SAMPLES, seed=5, batch_size=
     dp_rank = 0 if RANK in SHARE_GROUP else 1
     dataset = dataset_cls(phase, n)
     sampler = DistributedSampler(dataset, num_replicas=2, rank=dp_rank, shuffle=True, seed=seed)
-    return cls(dataset, batch_size=batch_size, sampler=sampler, num_workers=WORKERS,
-               worker_init_fn=init_fn, persistent_workers=persistent,
-               generator=torch.Generator().manual_seed(11 + dp_rank), **kw), sampler
+
+    def build():
+        return cls(dataset, batch_size=batch_size, sampler=sampler, num_workers=WORKERS,
+                   worker_init_fn=init_fn, persistent_workers=persistent,
+                   generator=torch.Generator().manual_seed(11 + dp_rank), **kw)
+    return (host_first(build) if kw.get("node_pool") else build()), sampler
 
 
 def backing_inode(tensor: torch.Tensor) -> int | None:
@@ -381,15 +413,62 @@ def main() -> dict:
         meet("done")  # the host's loader lives until every rank is done, as in training
         return {"equal": same([expected], [got]), "batches": len(got)}
     if CASE == "mismatch":
-        kept = None
-        try:
-            kept = loader(PoolLoader, batch_size=5 if RANK == 1 else BATCH, node_pool=True)
-            error = None
-        except ValueError as e:
-            error = str(e)
+        import warnings
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            kept, _ = loader(PoolLoader, batch_size=5 if RANK == 1 else BATCH, node_pool=True)
+        got, seen = [], []
+        for b in kept:
+            seen = seen or children()  # while its workers run
+            got.append([t.clone() for t in b])
+        expected = [[t.clone() for t in b] for b in loader(
+            DataLoader, batch_size=5 if RANK == 1 else BATCH)[0]]
         meet("done")  # rank 0's loader lives until then: it hosts while it lives
-        del kept
-        return {"error": error}
+        return {"warnings": [str(w.message) for w in caught], "joined": kept._node is not None,
+                "equal": same([expected], [got]), "children": len(seen)}
+    if CASE == "places":
+        # ARG "before" / "after": rank 0 builds an evaluation loader before (or after) the
+        # train loader that every rank builds, and drops it; rank 1 builds one that only
+        # it builds, at another place, after a pause. Records drop times and roles.
+        import warnings
+        times: dict = {}
+
+        def evaluate():
+            start = time.monotonic()
+            ev = PoolLoader(Augmented(12), batch_size=4, num_workers=WORKERS, node_pool=True,
+                            generator=torch.Generator().manual_seed(3))
+            got = [[t.clone() for t in b] for b in ev]
+            role = type(ev._node).__name__
+            start_drop = time.monotonic()
+            del ev
+            gc.collect()
+            times.setdefault("drops", []).append(time.monotonic() - start_drop)
+            times.setdefault("roles", []).append(role)
+            times.setdefault("builds", []).append(start_drop - start)
+            plain = [[t.clone() for t in b] for b in DataLoader(
+                Augmented(12), batch_size=4, num_workers=WORKERS,
+                generator=torch.Generator().manual_seed(3))]
+            times.setdefault("eval_equal", []).append(same([plain], [got]))
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if RANK == 0 and ARG == "before":
+                evaluate()
+            if RANK == 1:
+                time.sleep(2.0)  # the ranks reach the train loader seconds apart
+            expected = epochs(loader(DataLoader))
+            pool = loader(PoolLoader, node_pool=True)  # local rank 0 first (host_first)
+            got = epochs(pool)
+            if RANK == 0 and ARG == "after":
+                evaluate()
+            if RANK == 1:
+                time.sleep(1.0)
+                evaluate()  # only this rank builds it, at this place
+        result = {"equal": same(expected, got), "role": type(pool[0]._node).__name__,
+                  "host": pool[0]._node.host_pid, **times,
+                  "warnings": [str(w.message) for w in caught if "PoolLoader" in str(w.message)]}
+        meet("done")
+        return result
     if CASE == "dist_alone":  # rank 1 builds no loader at all
         error, took = None, None
         if RANK == 0:
