@@ -208,3 +208,42 @@ def test_torchrun_leaves_nothing_behind(ddp_runs):
     names, procs = leftovers(pids, str(data))
     assert not names, f"shared-memory names left by the torchrun jobs: {names}"
     assert not procs, f"processes of the torchrun jobs still alive: {procs}"
+
+
+# -- examples/ddp_eval.py: evaluation on rank 0 only, under the runner's --node-pool -------
+
+EVAL_SCRIPT = os.path.join(ROOT, "examples", "ddp_eval.py")
+
+
+def test_evaluation_on_rank_0_only_under_the_node_pool_runner(tmp_path):
+    """The common DDP script: rank 0 alone builds an evaluation loader before the train
+    loader and after each epoch. Under `torchrun -m poolloader --node-pool` the train
+    loaders share local rank 0's processes, each evaluation loader is rank 0's own and
+    drops within a second, and every rank's losses are those of the same command
+    without --node-pool (plain DataLoaders)."""
+    results = {}
+    for arm, target in (("plain", [EVAL_SCRIPT]),
+                        ("node", ["-m", "poolloader", "--node-pool", EVAL_SCRIPT])):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={DDP_RANKS}", *target, "--eval-first",
+               "--out", str(tmp_path / f"{arm}.json")]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                cwd=ROOT, start_new_session=True)
+        try:
+            output, _ = proc.communicate(timeout=DDP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            _stop_torchrun(proc, EVAL_SCRIPT)
+            output, _ = proc.communicate(timeout=10)
+            raise AssertionError(f"torchrun {arm} ran longer than {DDP_TIMEOUT_S} s:\n"
+                                 f"{output[-3000:]}") from None
+        assert proc.returncode == 0, f"torchrun {arm} failed:\n{output[-3000:]}"
+        results[arm] = [json.loads((tmp_path / f"{arm}.rank{r}.json").read_text())
+                        for r in range(DDP_RANKS)]
+    plain, node = results["plain"], results["node"]
+    # the first rank to reach the train loader hosts it (rank 0 may still evaluate)
+    assert sorted(r["node"] for r in node) == ["NodeClient", "NodeHost"], node
+    assert [r["loader"] for r in plain] == ["DataLoader"] * DDP_RANKS
+    for rank in range(DDP_RANKS):
+        assert node[rank]["losses"] == plain[rank]["losses"], f"rank {rank}"
+    assert node[0]["evaluations"] == plain[0]["evaluations"] and len(node[0]["evaluations"]) == 3
+    assert all(0 <= s < 1.0 for s in node[0]["drop_s"]), node[0]["drop_s"]
