@@ -15,7 +15,9 @@ bytearray, int, float, bool and None, nested in any way — exactly these types,
 subclasses (numpy scalars, enums, namedtuples, OrderedDict...), which pickle would
 keep only as far as their classes allow; anything else is a TypeError that names the
 type and where it is. The keys of a `FrozenDict` itself are str, bytes, int (bool) or
-float (not NaN); the keys of dicts inside records may be any held hashable.
+float (not NaN); the keys of dicts inside records may be any held hashable. A lookup
+finds every key a dict finds (equal hash() and ==): numpy scalars (`np.int64(102)`),
+`1.0` or `True` for `1`, Fraction, Decimal, str subclasses, any object of its own.
 
 Costs and semantics (docs/guide.md, "Memory under fork"): each access decodes a fresh
 copy (a few microseconds for a small dict; mutating it does not change the
@@ -29,10 +31,13 @@ from __future__ import annotations
 import hashlib
 import io
 import math
+import numbers
 import operator
 import pickle
 import struct
 from collections.abc import ItemsView, Iterator, Mapping, Sequence, ValuesView
+from decimal import Decimal
+from fractions import Fraction
 from typing import Any, Callable
 
 import numpy as np
@@ -244,6 +249,52 @@ def _key_hash(key_id: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(key_id, digest_size=8).digest(), "little", signed=True)
 
 
+def _plain_key(key: Any) -> Any:
+    """The str, bytes, int or float that equals `key` when it is a str or bytes subclass
+    (numpy's included) or a number (numpy scalars, Fraction, Decimal, complex with no
+    imaginary part, an IntEnum); None for any other key and for NaN."""
+    if isinstance(key, str):
+        return str.__str__(key)  # exactly a str, whatever the subclass's __str__ says
+    if isinstance(key, bytes):
+        return bytes(memoryview(key))
+    if not isinstance(key, (numbers.Number, np.number, np.bool_)):
+        return None
+    try:
+        if isinstance(key, numbers.Complex) and not isinstance(key, numbers.Real):
+            if key.imag != 0:
+                return None
+            key = key.real
+        try:
+            whole = int(key)
+        except (ValueError, OverflowError):  # NaN, infinity
+            whole = None
+        if whole is not None and whole == key:
+            return whole  # exact, also beyond a float's 53 bits (Fraction, Decimal)
+        number = float(key)
+    except (TypeError, ValueError, OverflowError, ArithmeticError):
+        return None
+    return None if math.isnan(number) else number
+
+
+# Types whose == with a str, bytes, int or float is by value: a key of one of them equals
+# a stored key only if it equals its _plain_key (or, having none, equals no stored key).
+_BY_VALUE = frozenset((kind.__eq__, kind.__hash__) for kind in (
+    str, bytes, int, bool, float, complex, Fraction, Decimal, tuple, frozenset, type(None)))
+_NUMPY_BY_VALUE = (np.number, np.bool_, np.str_, np.bytes_)
+
+
+def _by_value(key: Any) -> bool:
+    kind = type(key)
+    if kind.__module__ == "numpy":
+        return issubclass(kind, _NUMPY_BY_VALUE)
+    return (kind.__eq__, kind.__hash__) in _BY_VALUE
+
+
+def _dict_equal(stored: Any, key: Any, key_hash: int) -> bool:
+    """Whether a dict holding `stored` finds it for `key` (whose hash() is `key_hash`)."""
+    return hash(stored) == key_hash and bool(stored == key)
+
+
 def _check_key(key: Any) -> None:
     if type(key) not in KEY_TYPES:
         raise TypeError(
@@ -261,6 +312,10 @@ class FrozenDict(Mapping):
     Keys keep their order. `[key]`, `get` and `in` look the key up through a sorted array
     of 64-bit key hashes (stable across processes) and decode the value; `keys()`,
     `values()` and `items()` decode in order. It equals any mapping with equal items.
+    A key of another type finds what a dict finds: a number (numpy scalars, Fraction,
+    Decimal) or a str / bytes subclass through the plain value it equals; an object with
+    its own __eq__ and __hash__ through the stored keys' hash() values, computed once per
+    process at the first such lookup.
     """
 
     def __init__(self, mapping: dict):
@@ -283,6 +338,7 @@ class FrozenDict(Mapping):
         hashes.flags.writeable = False
         order.flags.writeable = False
         self._keys, self._values, self._hashes, self._order = keys, values, hashes, order
+        self._python_hashes: tuple[np.ndarray, np.ndarray] | None = None  # _find_by_python_hash
 
     @classmethod
     def from_arrays(cls, keys: tuple[np.ndarray, np.ndarray], values: tuple[np.ndarray, np.ndarray],
@@ -298,14 +354,20 @@ class FrozenDict(Mapping):
                                       self._values.offsets, self._hashes, self._order))
 
     def _find(self, key: Any) -> int:
-        """The position of `key`, -1 if absent."""
-        if type(key) not in KEY_TYPES or (type(key) is float and math.isnan(key)):
-            try:
-                hash(key)
-            except TypeError:
-                raise TypeError(f"unhashable type: {_type_name(key)!r}") from None
+        """The position of the stored key a dict would find for `key`, -1 if none."""
+        if type(key) in KEY_TYPES:  # the fast path: equal keys share a _key_id
+            return -1 if type(key) is float and math.isnan(key) else self._find_id(_key_id(key))
+        wanted = hash(key)  # unhashable: TypeError, as a dict's
+        plain = _plain_key(key)
+        if plain is not None:
+            position = self._find_id(_key_id(plain))
+            if position >= 0 and _dict_equal(self._keys.decode(position), key, wanted):
+                return position
+        if _by_value(key):  # it equals no stored key but `plain`
             return -1
-        key_id = _key_id(key)
+        return self._find_by_python_hash(key, wanted)
+
+    def _find_id(self, key_id: bytes) -> int:
         h = np.int64(_key_hash(key_id))
         start = int(np.searchsorted(self._hashes, h, "left"))
         for slot in range(start, len(self._hashes)):
@@ -313,6 +375,24 @@ class FrozenDict(Mapping):
                 break
             position = int(self._order[slot])
             if _key_id(self._keys.decode(position)) == key_id:
+                return position
+        return -1
+
+    def _find_by_python_hash(self, key: Any, wanted: int) -> int:
+        """A key of a type with its own __eq__ and __hash__, found as a dict finds it: a
+        stored key with the same hash() that compares equal. The stored keys' hash() values
+        are computed at the first such lookup in a process (16 bytes a key; str's hash()
+        differs between processes, so they are never pickled)."""
+        if self._python_hashes is None:
+            hashes = np.fromiter((hash(k) for k in self._keys), np.int64, self._keys.count)
+            order = np.argsort(hashes, kind="stable")
+            self._python_hashes = (hashes[order], order)
+        hashes, order = self._python_hashes
+        for slot in range(int(np.searchsorted(hashes, wanted, "left")), len(hashes)):
+            if hashes[slot] != wanted:
+                break
+            position = int(order[slot])
+            if _dict_equal(self._keys.decode(position), key, wanted):
                 return position
         return -1
 

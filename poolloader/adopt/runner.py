@@ -20,7 +20,8 @@ comparison is one flag.
 Pool options: every keyword PoolLoader has beyond DataLoader's (`slot_bytes`, `slots`,
 `shm_limit`, ...), as `--slot-bytes N` or `POOLLOADER_SLOT_BYTES=N` (the flag wins);
 values are numbers, `none`, or text (`--device cuda`); a switch (`--stateful`) takes
-true/false/1/0 in any case. Options not given keep
+true/false/1/0 in any case; `--share-batches` takes global ranks separated by commas
+(`0,1`: `share_batches=[0, 1]`). Options not given keep
 PoolLoader's defaults. The summary ends each loader with `stats.advice()`.
 """
 from __future__ import annotations
@@ -30,11 +31,13 @@ import builtins
 import importlib.util
 import inspect
 import os
+import re
 import signal
 import sys
 import types
 import zipfile
 from importlib.machinery import SourceFileLoader
+from typing import Any
 
 from poolloader.adopt import hook
 from poolloader.loader import PoolLoader
@@ -68,6 +71,11 @@ def _parser() -> argparse.ArgumentParser:
                                default=None,
                                help=f"PoolLoader(..., {name}=True); env {ENV_PREFIX}"
                                     f"{name.upper()} (true, false, 1 or 0)")
+            continue
+        if name in hook.RANK_LIST_OPTIONS:
+            group.add_argument(_flag(name), dest=name, metavar="RANKS", default=None,
+                               help=f"PoolLoader(..., {name}=[RANKS]): global ranks separated "
+                                    f"by commas (0,1); env {ENV_PREFIX}{name.upper()}")
             continue
         switch = isinstance(defaults[name].default, bool)
         group.add_argument(_flag(name), dest=name, metavar="true|false" if switch else "VALUE",
@@ -115,11 +123,25 @@ def _value(text: str):
 _BOOLEANS = {"true": True, "false": False, "1": True, "0": False}
 
 
+def _ranks(name: str, text: str, source: str) -> list[int] | None:
+    """The global ranks in `text` ("0,1"; "none": None), or exit naming `source`."""
+    if text.strip().lower() == "none":
+        return None
+    parts = [part.strip() for part in text.split(",")]
+    ranks = [int(part) for part in parts if re.fullmatch(r"[0-9]+", part)]
+    if len(ranks) != len(parts) or len(set(ranks)) != len(ranks):
+        _parser().error(f"{source}: {name} takes distinct global ranks (whole numbers >= 0) "
+                        f"separated by commas, e.g. 0,1; got {text!r}")
+    return ranks
+
+
 def pool_options(parsed: argparse.Namespace, environ=os.environ) -> dict:
     """The pool options given by flag or environment variable, checked by building a
     PoolLoader with them (so a bad value fails here, naming where it came from). An
-    option whose default is True or False (`stateful`) takes true/false/1/0, any case."""
-    options, sources, texts = {}, {}, {}
+    option whose default is True or False (`stateful`) takes true/false/1/0, any case;
+    share_batches a list of global ranks separated by commas."""
+    options: dict[str, Any] = {}
+    sources, texts = {}, {}
     for name in hook.runner_option_names():
         flag_value, env = getattr(parsed, name), ENV_PREFIX + name.upper()
         if flag_value is not None:
@@ -133,9 +155,14 @@ def pool_options(parsed: argparse.Namespace, environ=os.environ) -> dict:
                 _parser().error(f"{sources[name]}: {name} must be one of true, false, 1, 0 "
                                 f"(any case), got {text!r}")
             options[name] = _BOOLEANS[text.strip().lower()]
+        elif name in hook.RANK_LIST_OPTIONS:
+            options[name] = _ranks(name, text, sources[name])
         else:
             options[name] = _value(text)
     for name, value in options.items():
+        if name in hook.RANK_LIST_OPTIONS:
+            continue  # checked by _ranks (under torchrun, the check's PoolLoader(num_workers=0)
+            # would be refused as a member of its group)
         default = defaults[name].default
         expected = (int, float) if isinstance(default, float) else type(default)
         if None not in (default, value) and not isinstance(value, expected):

@@ -593,7 +593,7 @@ class ShareFollower(node.Users):
                 raise RuntimeError(f"internal error: rank {self.rank} got batch {k} (slot {slot}, "
                                    f"generation {generation}) from rank {self.leader}, "
                                    f"expecting batch {n}")
-            if theirs != index:
+            if _by_value(theirs) != _by_value(index):
                 self._send_back(key)
                 raise ValueError(
                     f"PoolLoader(share_batches=...): batch {n} of rank {self.leader} holds the "
@@ -630,6 +630,16 @@ class ShareFollower(node.Users):
         if cuda is not None:
             cuda.close()  # maybe from a finaliser: no CUDA call (FollowerCuda.close)
         self._maps = {}
+
+
+def _by_value(index):
+    """A batch sampler's batch (a list or tuple, of ints or 0-d tensors; an index tensor; a
+    numpy array) as nested lists of Python values, so two ranks' batches compare by value
+    (`!=` of tensors or arrays is elementwise, and its truth value ambiguous)."""
+    if isinstance(index, (list, tuple)):
+        return [_by_value(i) for i in index]
+    tolist = getattr(index, "tolist", None)
+    return tolist() if callable(tolist) else index
 
 
 def _short(index) -> str:
