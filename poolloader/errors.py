@@ -33,6 +33,11 @@ class ControlCorrupt(SlotCorrupt):
     read or written outside them."""
 
 
+class PoolGone(RuntimeError):
+    """A worker attaching a pool found its control segment gone: the pool's owner closed
+    it or exited (its owner lock went with it)."""
+
+
 class WorkerDied(RuntimeError):
     """A worker process exited while the loader still needed it."""
 

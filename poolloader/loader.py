@@ -139,6 +139,7 @@ class PoolLoader(DataLoader[T_co]):
                  stall_warning=DEFAULT_STALL_WARNING_S, stateful=True,
                  snapshot_every_n_steps=None, node_workers=None, node_pool=None,
                  share_batches=None):
+        self.node_workers = node_workers  # DataLoader's __init__ runs the rationality check
         super().__init__(
             dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
             batch_sampler=batch_sampler, num_workers=num_workers, collate_fn=collate_fn,
@@ -240,6 +241,24 @@ class PoolLoader(DataLoader[T_co]):
         return it
 
     # -- mid-epoch resume (poolloader.resume.keys) -------------------------------------
+    def check_worker_number_rationality(self) -> None:
+        """DataLoader's warning when more worker processes run than CPUs are allowed,
+        counting processes: with node_workers=P, P processes host the num_workers logical
+        workers. torch's check reads self.num_workers (its message, cpuset rule and CPU
+        count differ between torch versions), so it runs with the process count there."""
+        processes = self.node_workers
+        if not isinstance(processes, int) or isinstance(processes, bool) or processes < 1:
+            processes = self.num_workers  # None, or refused once __init__ checks it
+        if processes == self.num_workers:
+            super().check_worker_number_rationality()
+            return
+        logical = self.num_workers
+        self.num_workers = processes
+        try:
+            super().check_worker_number_rationality()
+        finally:
+            self.num_workers = logical
+
     def state_dict(self) -> dict:
         """Where this loader stands in its epoch, to continue exactly there later.
 

@@ -179,22 +179,28 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
             # spawn / forkserver: the dataset, init_fn and collate_fn are pickled once
             # into shared memory, not once per worker (poolloader.main.startup)
             # (always with a node pool: the node's processes load every rank's from there)
+            pickled = self._node is not None or startup.shares(ctx, self._pool.backend)
+            # fork with node_workers: logical worker h < hosts (the first of its process)
+            # keeps what its process inherited, the others load their own copies from
+            # the segment, its arrays shared (startup.shares)
+            first = 0 if pickled else hosts
             shared = startup.share((self._dataset, init_fn, self._collate_fn)) \
-                if n and (self._node is not None or startup.shares(ctx, self._pool.backend)) \
+                if n and (pickled or (hosts and startup.shares(ctx, self._pool.backend, True))) \
                 else None
             self._shared_start = shared
-            self._unheard = set(range(n)) if shared is not None else set()
+            self._unheard = set(range(first, n)) if shared is not None else set()
             cfgs = []
             for i in range(n):
+                ticket = shared.ticket if shared is not None and i >= first else None
                 cfgs.append(WorkerConfig(
                     dataset_kind=self._dataset_kind,
-                    dataset=None if shared else self._dataset,
+                    dataset=None if ticket else self._dataset,
                     auto_collation=self._auto_collation,
-                    collate_fn=None if shared else self._collate_fn,
+                    collate_fn=None if ticket else self._collate_fn,
                     drop_last=self._drop_last, base_seed=int(self._base_seed),
-                    init_fn=None if shared else init_fn, worker_id=i, num_workers=n,
+                    init_fn=None if ticket else init_fn, worker_id=i, num_workers=n,
                     pool=self._pool.locator, resume=self._resume.worker_plan(i),
-                    shared=shared.ticket if shared else None, shared_seed=self._shared_seed,
+                    shared=ticket, shared_seed=self._shared_seed,
                     capture=loader.stateful, snapshot_every=self._resume.snapshot_every,
                     host=hosted_by(i, hosts) if hosts else 0,
                     environ=None if self._node is None else {

@@ -121,12 +121,13 @@ class NodeProcess:
                     f"{', '.join(map(str, node.pids))}) with it; logical worker {worker} of "
                     f"this rank was waiting on process {self.p} (pid {self.pid}). The other "
                     f"ranks cannot go on loading: see local rank {node.host_rank}'s error.")
+        error = node.segment.error(self.p)  # the traceback it failed with, if it did
         return (f"DataLoader worker (pid {self.pid}) exited unexpectedly. PoolLoader worker "
                 f"{worker} (pid {self.pid}: node pool process {self.p}, hosted by local rank "
-                f"{node.host_rank}, pid {node.host_pid}, for every local rank) exited "
-                "unexpectedly. If it was "
-                "killed for memory (signal 9), lower num_workers or batch_size; run with "
-                "num_workers=0 to see the error in the main process.")
+                f"{node.host_rank}, pid {node.host_pid}, for every local rank) "
+                + (f"failed:\n{error}" if error else "exited unexpectedly. If it was "
+                   "killed for memory (signal 9), lower num_workers or batch_size; run with "
+                   "num_workers=0 to see the error in the main process."))
 
 
 class Users:

@@ -133,9 +133,15 @@ def share(payload: Any) -> SharedStart | None:
         return None
 
 
-def shares(ctx, backend: str = "memfd") -> bool:
+def shares(ctx, backend: str = "memfd", hosted: bool = False) -> bool:
     """Whether workers of this multiprocessing context should load their arguments from
     a SharedStart: they are pickled (not fork), the pool's `backend` is memfd (a POSIX
-    pool's workers must not need /proc either) and anonymous shared memory works."""
+    pool's workers must not need /proc either) and anonymous shared memory works.
+    `hosted` (PoolLoader(node_workers=): a process hosts several logical workers): under
+    fork too, for the logical workers after the first of each process, which need copies
+    of their own (poolloader.worker.loop._own_copies): mapped from the segment, their
+    arrays stay one copy, shared copy-on-write, as DataLoader's forked workers share
+    main's; a deep copy would give each its own."""
     method = ctx.get_start_method() if hasattr(ctx, "get_start_method") else None
-    return method in ("spawn", "forkserver") and backend == "memfd" and memfd.supported() is None
+    pickled = ("spawn", "forkserver") + (("fork",) if hosted else ())
+    return method in pickled and backend == "memfd" and memfd.supported() is None

@@ -8,6 +8,9 @@ physical worker processes) and mapped by every physical process and every rank:
     64   P request doorbells (DOORBELL_BYTES each): physical process p waits on its own;
          a rank rings it after each push to a request ring of a logical worker that p
          hosts (placement: poolloader.main.node)
+    then P error records (ERROR_BYTES each): u32 length, then that many bytes of UTF-8,
+         the traceback physical process p failed with, written by p just before it
+         exits (length 0: none), so every rank's WorkerDied can say why it ended
 
 Liveness is read from open file description locks on the segment's bytes (they are
 advisory and cover bytes of the file, not its contents): the host holds a lock on
@@ -38,12 +41,19 @@ def _header(mapping) -> np.ndarray:
     return np.ndarray((_HEADER_FIELDS,), np.uint64, buffer=mapping, offset=0)
 
 
+ERROR_BYTES = 4096  # a process's error record: its length word and the text's last bytes
+
+
 def _nbytes(processes: int) -> int:
-    return (64 + processes * ((DOORBELL_BYTES + 63) // 64 * 64) + 4095) // 4096 * 4096
+    return (_error_offset(processes, 0) + 4095) // 4096 * 4096
 
 
 def _bell_offset(p: int) -> int:
     return 64 + p * ((DOORBELL_BYTES + 63) // 64 * 64)
+
+
+def _error_offset(processes: int, p: int) -> int:
+    return _bell_offset(processes) + p * ERROR_BYTES
 
 
 class NodeSegment:
@@ -113,6 +123,23 @@ class NodeSegment:
 
     def process_alive(self, p: int) -> bool:
         return owner_lock_held(self._fd, 1 + p)
+
+    def record_error(self, p: int, text: str) -> None:
+        """In physical process p, as it fails: `text` (its traceback; the last bytes if
+        it is long) for the ranks to read once its lock is gone (`error`)."""
+        data = text.encode("utf-8", "replace")[-(ERROR_BYTES - 4):]
+        offset = _error_offset(self.processes, p)
+        np.frombuffer(self.mapping, np.uint8, len(data), offset + 4)[:] = np.frombuffer(data, np.uint8)
+        np.ndarray((1,), np.uint32, buffer=self.mapping, offset=offset)[0] = len(data)
+
+    def error(self, p: int) -> str | None:
+        """What physical process p recorded as it failed (record_error); None if nothing."""
+        offset = _error_offset(self.processes, p)
+        n = min(int(np.ndarray((1,), np.uint32, buffer=self.mapping, offset=offset)[0]),
+                ERROR_BYTES - 4)
+        if not n:
+            return None
+        return bytes(np.frombuffer(self.mapping, np.uint8, n, offset + 4)).decode("utf-8", "replace")
 
     def close(self) -> None:
         """Drop the views and the descriptor (the host's: its lock goes with it)."""

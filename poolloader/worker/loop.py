@@ -303,8 +303,10 @@ def serve_request(lw: LogicalWorker, slots: WorkerSlots, writer: codec.SlotWrite
 def _own_copies(cfgs: tuple[WorkerConfig, ...]) -> list[BaseException | None]:
     """Give every logical worker after the first its own dataset, worker_init_fn and
     collate_fn, as each DataLoader worker has: unpickled once more from the shared start
-    payload (spawn / forkserver), else deep-copied from what this process inherited or
-    received (fork: one dataset for the whole process), before any worker_init_fn runs.
+    payload (spawn / forkserver; under fork too, where main could share them: its
+    arrays then view the payload's pages copy-on-write, one copy for every process, as
+    DataLoader's forked workers share main's), else deep-copied from what this process
+    inherited or received (arrays included), before any worker_init_fn runs.
     Per worker: None, or why its copy could not be made (reported as its init error)."""
     first = cfgs[0]
     errors: list[BaseException | None] = [None]

@@ -19,10 +19,11 @@ owner (gone: drop the group and its mappings).
 from __future__ import annotations
 
 import time
+import traceback
 
-from poolloader.errors import RingClosed
+from poolloader.errors import PoolGone, RingClosed
 from poolloader.shm.node import NodeSegment
-from poolloader.shm.pool import WorkerSlots
+from poolloader.shm.pool import WorkerSlots, attach
 from poolloader.wire import codec
 from poolloader.worker import stall, startup
 from poolloader.worker.loop import (
@@ -103,16 +104,21 @@ def _poll(entries: list, start: int) -> tuple[int, int | None] | None:
 
 
 def _rank_gone(cfg: WorkerConfig) -> bool:
-    """Whether the rank of `cfg` closed its pool or died (its control segment cannot be
-    opened, or its owner lock is gone)."""
+    """Whether the rank of `cfg` closed its pool or died: its control segment is gone
+    (the rank holds it, and its owner lock, for the pool's whole life) or its owner lock
+    is. Anything else that keeps this process from opening it (EACCES, EMFILE) says
+    nothing of the rank, which waits for this process: False, and the caller fails
+    loudly."""
     try:
-        slots = WorkerSlots(cfg.pool, cfg.worker_id)
-    except Exception:
+        attachment = attach(cfg.pool)
+    except PoolGone:
         return True
+    except Exception:
+        return False
     try:
-        return not slots.owner_alive()
+        return not attachment.owner_alive()
     finally:
-        slots.close()
+        attachment.close()
 
 
 def _serve(entry: tuple[_Group, LogicalWorker], slot: int, current: LogicalWorker | None,
@@ -203,8 +209,7 @@ def node_loop(p: int, node_locator: tuple, commands) -> None:
     idle_since = time.perf_counter_ns()
     try:
         while True:
-            while commands.poll(0):
-                command = commands.recv()
+            while (command := _command(commands)) is not False:
                 if command is None:
                     return
                 served.attach(command[1], command[2])
@@ -236,8 +241,22 @@ def node_loop(p: int, node_locator: tuple, commands) -> None:
             idle_since = time.perf_counter_ns()
             if served.current is None:
                 served.drop(served.entries[i][0].key)
-    except (KeyboardInterrupt, EOFError, OSError):
+    except KeyboardInterrupt:
         pass
+    except Exception:
+        if node.host_alive():
+            # loud: a traceback on stderr (as a worker's), and for every rank's WorkerDied
+            node.record_error(p, traceback.format_exc())
+            raise
     finally:
         served.close()
         node.close()
+
+
+def _command(commands):
+    """The host's next command: ("attach", key, configs); None to stop (or the host's
+    end is gone); False if none is waiting."""
+    try:
+        return commands.recv() if commands.poll(0) else False
+    except (EOFError, OSError):
+        return None

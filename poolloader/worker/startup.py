@@ -18,8 +18,10 @@ MAP_PRIVATE, readable and writable) and unpickles with `buffers=` views into tha
 mapping, so an array or tensor in the worker views the segment's pages without a
 copy: every worker reads the same pages of memory, and a dataset of 2 GB of arrays
 costs 2 GB once, not once per worker. A worker that writes into one gets its own copy
-of the pages it writes, as under DataLoader (which unpickles a copy in each): no other
-worker, no later epoch's workers and not main see the write. An array is writable
+of the pages it writes, as a forked worker does: no other worker, no later epoch's
+workers and not main see the write (under spawn DataLoader unpickles a copy of a numpy
+array in each worker, but moves a CPU tensor into torch's shared memory, where a
+worker's write is seen by every worker and by main). An array is writable
 exactly where the original was (a read-only numpy array stays read-only, as pickle
 protocol 5 keeps it). The mapping lives as long as anything views it (each array
 holds its buffer), and the segment as long as a worker maps it or main holds its
@@ -31,7 +33,9 @@ Main keeps the segment's descriptor until every worker has replied once (so has
 mapped it) and closes it then, or at shutdown; the memory goes with the last worker
 that maps it (for persistent workers: when they exit).
 
-Under fork nothing is pickled at all (the child inherits the objects), and where
+Under fork nothing is pickled at all (the child inherits the objects), except for a
+process hosting several logical workers (PoolLoader(node_workers=): those after its
+first load their own copies from here) and a node pool's processes; and where
 anonymous shared memory cannot be used (memfd.supported(): workers cannot open main's
 /proc/<pid>/fd), or the pool is POSIX (shm_backend="posix": the user's way out of
 /proc), the arguments travel as DataLoader's do. So do arguments that pickle only

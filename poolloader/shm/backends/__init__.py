@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import sys
 from typing import TYPE_CHECKING, cast
 
 if TYPE_CHECKING:  # PoolLoader() checks a kind without loading any backend
@@ -28,6 +29,11 @@ def kinds() -> tuple[str, ...]:
 
 def load(kind: str) -> Backend:
     """The backend module of that kind; ValueError naming the kinds there are otherwise."""
+    loaded = sys.modules.get(f"{__name__}.{kind}")
+    if loaded is not None and not kind.startswith("_"):
+        # no listing of this folder (kinds()), which needs a descriptor: a process out of
+        # them (EMFILE) must fail where it opens a segment, saying so, not here
+        return cast("Backend", loaded)
     if kind not in kinds():
         raise ValueError(f"shm_backend must be one of {kinds()}, got {kind!r}")
     return cast("Backend", importlib.import_module(f"{__name__}.{kind}"))

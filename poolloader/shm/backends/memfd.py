@@ -55,6 +55,7 @@ import select
 import signal
 import warnings
 
+from poolloader.errors import PoolGone
 from poolloader.shm import fork
 from poolloader.shm._shm import Mapping
 from poolloader.shm.backend import Space, owner_lock_held, release_owner_lock, take_owner_lock
@@ -455,7 +456,7 @@ class Attachment:
             self.control_mapping, self._fd = open_segment(main_pid, fd, inode, size, keep_fd=True)
         except StaleHandle:
             # main closed its control segment: it closed the pool, or died
-            raise RuntimeError(f"PoolLoader worker: the pool's control segment (descriptor {fd} "
+            raise PoolGone(f"PoolLoader worker: the pool's control segment (descriptor {fd} "
                                f"of pid {main_pid}) is gone: the main process closed the pool "
                                "or exited before this worker started") from None
 

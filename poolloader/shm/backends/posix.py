@@ -46,6 +46,7 @@ import secrets
 
 import posix_ipc
 
+from poolloader.errors import PoolGone
 from poolloader.shm import fork
 from poolloader.shm._shm import Mapping
 from poolloader.shm.backend import Space, owner_lock_held, release_owner_lock, take_owner_lock
@@ -288,7 +289,12 @@ class Attachment:
 
     def __init__(self, prefix: str):
         self.prefix = prefix
-        shm = posix_ipc.SharedMemory(control_name(prefix))
+        try:
+            shm = posix_ipc.SharedMemory(control_name(prefix))
+        except posix_ipc.ExistentialError:  # main closed the pool (or died and was swept)
+            raise PoolGone(f"PoolLoader worker: the pool's control segment "
+                           f"{control_name(prefix)} is gone: the main process closed the "
+                           "pool or exited before this worker started") from None
         try:
             self.control_mapping = Mapping(shm.fd, shm.size)
         except BaseException:
