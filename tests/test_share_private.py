@@ -46,7 +46,7 @@ def test_a_write_by_one_rank_is_never_seen_by_another(tmp_path, monkeypatch, arg
                 assert m["anonymous"] == 0, r["memory"]
             else:
                 # registered with CUDA: the pages are the rank's own, pinned, and each
-                # batch is copied in (docs/node.md, "share_batches on CUDA")
+                # batch is copied in (docs/node.md, share_batches, "On CUDA")
                 assert m["anonymous"] == m["rss"], r["memory"]
         if arg == "pin":
             # (d) the slot tensor views registered memory (no pin copy), the copies read

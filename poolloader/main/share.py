@@ -11,6 +11,19 @@ physical pages, no copy. A group that spans nodes is made once per node.
 
 What keeps it exact and safe:
 
+* Each rank's batch is its own. Every rank, the leader included, decodes its batches
+  from its own copy-on-write mapping of the slot (MAP_PRIVATE: the leader's pool keeps
+  one beside each slot's shared mapping, poolloader.shm.pool `private_views`; a
+  follower maps the descriptor it gets so): reads map the segment's pages, so no page
+  is copied while nobody writes, and a write (x.sub_(mean)) copies only the page it
+  touches, in that rank alone. Before the next batch in the slot is decoded, the rank
+  drops the pages it copied (`renew`, MADV_DONTNEED), so the view shows the workers'
+  new batch. The slot is then reused, so no view of this rank's last batch in it is
+  alive (below); a batch kept longer keeps its segment (a detach). On CUDA the view is
+  registered, and a pin cannot stay copy-on-write: its pages are made the rank's own
+  before registration, kept, and each batch is copied in from the segment's shared
+  mapping (docs/node.md, share_batches, "On CUDA").
+
 * Each follower still iterates its own sampler and compares each batch's indices
   with the leader's: ranks whose samplers disagree get an error at the first batch
   that differs, never another rank's data. So share_batches needs a map-style
@@ -19,8 +32,8 @@ What keeps it exact and safe:
   (poolloader.main.ledger: `shared`, `parked`); a follower says so with its next
   next(). If the leader runs out of slots meanwhile, it detaches the segment, as it
   does for a batch its own consumer keeps: the followers' mappings keep it alive.
-* On CUDA (pin_memory=True, device=) each rank registers its own mapping of a segment
-  once, and a follower's release reaches the leader only once its own copies from the
+* On CUDA (pin_memory=True, device=) each rank registers its own private mapping of a
+  segment once, and a follower's release reaches the leader only once its own copies from the
   batch finished (poolloader.main.share_cuda); the leader's own copies gate it as any
   pool's (its SlotGate).
 * A follower that exits gives back what it held (its socket closes) and the others go
@@ -630,7 +643,7 @@ class ShareFollower(node.Users):
         """(this rank's private view of the leader's segment `fd`, the segment's shared
         mapping, only when the view is to be registered with CUDA: then the view's
         pages are made this rank's own before it is registered, and each batch is
-        copied in from the shared one; docs/node.md, "share_batches on CUDA"). Both
+        copied in from the shared one; docs/node.md, share_batches, "On CUDA"). Both
         MADV_DONTFORK, as the leader's (poolloader.shm.fork)."""
         view = Mapping(fd, size, True, True)
         if self.cuda is None or self.cuda.gate is None:
