@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import test_node_pool
 from test_node_pool import _ranks
+
+from poolloader.shm._shm import Lease, Mapping
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_share_private_children.py")
 
@@ -56,3 +59,42 @@ def test_a_write_by_one_rank_is_never_seen_by_another(tmp_path, monkeypatch, arg
         assert r["children_gone"], r
     # the same segments behind both ranks' batches
     assert [m["inode"] for m in leader["memory"]] == [m["inode"] for m in follower["memory"]]
+
+
+def test_a_private_mapping_drops_its_copies_only_when_no_batch_views_it():
+    """poolloader.shm._shm.Mapping(private=True), on its own: what each rank's view does."""
+    size = 3 * 4096 + 512  # not a whole number of pages
+    fd = os.memfd_create("pltest-share-private")
+    try:
+        os.ftruncate(fd, size)
+        shared = Mapping(fd, size, True)
+        view = Mapping(fd, size, True, True)
+    finally:
+        os.close(fd)
+    assert view.private and not shared.private
+    segment, mine = np.frombuffer(shared, np.uint8), np.frombuffer(view, np.uint8)
+    segment[:] = 1
+    assert (mine == 1).all()  # the segment's pages: what a worker wrote
+    mine[4096 + 7] = 9  # copies that page alone
+    segment[:] = 2
+    assert mine[4096 + 7] == 9 and mine[4096 + 6] == 1 and (mine[:4096] == 2).all()
+    assert (mine[2 * 4096:] == 2).all() and segment[4096 + 7] == 2
+    lease = Lease(view, 4096, 4096)
+    with pytest.raises(BufferError, match="1 batches view"):
+        view.discard(4096, size - 4096)
+    with pytest.raises(BufferError):
+        view.pull(shared, 4096, 4096)
+    del lease
+    view.discard(4096, size - 4096)
+    assert (mine == 2).all()  # the segment's again
+    mine[:] = 5
+    segment[:] = 3
+    view.pull(shared, 4096, size - 4096)  # a registered view: copied in, pages kept
+    assert (mine[:4096] == 5).all() and (mine[4096:] == 3).all()
+    with pytest.raises(ValueError, match="shared mapping"):
+        shared.discard(0, 4096)
+    with pytest.raises(ValueError, match="outside a mapping"):
+        view.discard(4096, size)
+    del segment, mine
+    view.close()
+    shared.close()
