@@ -33,9 +33,9 @@ What keeps it exact and safe:
   next(). If the leader runs out of slots meanwhile, it detaches the segment, as it
   does for a batch its own consumer keeps: the followers' mappings keep it alive.
 * On CUDA (pin_memory=True, device=) each rank registers its own private mapping of a
-  segment once, and a follower's release reaches the leader only once its own copies from the
-  batch finished (poolloader.main.share_cuda); the leader's own copies gate it as any
-  pool's (its SlotGate).
+  segment once, and a follower's release reaches the leader only once its own copies
+  from the batch finished (poolloader.main.share_cuda); the leader's own copies gate it
+  as any pool's (its SlotGate).
 * A follower that exits gives back what it held (its socket closes) and the others go
   on, with a warning on the leader; a leader that exits, or whose iterator fails, is an
   error on every follower at its next wait (the socket closes, or says why).

@@ -11,9 +11,8 @@ registered and never drops (each batch is copied in), so what is pinned stays wh
 the batch views. When the last view of a batch dies here, the gate takes its marker
 (SlotGate.release); the key goes back to the leader only when `ready()` returns it, so
 the leader's ledger (`shared`, `parked`) frees the slot only after every copy this rank
-queued from it has run. A mapping the follower drops
-(the leader gave the slot a new segment, or began a new pool) is unregistered once
-its own marker completed.
+queued from it has run. A mapping the follower drops (the leader gave the slot a new
+segment, or began a new pool) is unregistered once its own marker completed.
 
 Used from the follower's iterating thread only, except `close()`, which a finaliser
 may call: it makes no CUDA call (SlotGate.defer) and leaves the unregistrations to

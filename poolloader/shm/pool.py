@@ -315,7 +315,8 @@ class SlotPool:
         (on_map), every page is made this process's own first (`pull`): a pin of a
         private page that is still the segment's would break copy-on-write at the
         pin, or leave the device reading the segment's page once a write copies it
-        (docs/node.md, share_batches, "On CUDA"); its pages then never change."""
+        (docs/node.md, share_batches, "On CUDA"); its pages then stay the ones pinned
+        (renew_view copies each batch into them)."""
         if not isinstance(key, int):
             raise RuntimeError(f"internal error: a private view needs a memfd segment, got {key!r}")
         view = Mapping(key, mapping.size, True, True)
