@@ -146,7 +146,8 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
             n, size.slots, size.max_slots, size.slot_bytes, loader.shm_limit,
             on_map=self._gate.register if self._gate else None,
             on_unmap=self._gate.unregister if self._gate else None, backend=loader.shm_backend,
-            hosts=hosts, keep_handles=self._share is not None)
+            hosts=hosts, keep_handles=self._share is not None,
+            private_views=self._share is not None)
         self._ledger = SlotLedger(self._pool, self._stats, self._gate, size.capacity)
         self._ledger.share = self._share
         self._shutdown = False
@@ -632,12 +633,18 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                 self._fail(e)
                 raise
         try:
+            view = ledger.fresh_view(slot, header)  # share_batches: this rank's own
+        except BaseException:
+            ledger.never_viewed(slot)
+            self._refill()
+            raise
+        try:
             # from the lease's registration inside decode, the slot is the lease's:
             # whatever happens next, its death gives the slot back
-            payload, _lease = codec.decode(ledger.mapping(slot), header, ledger.leases,
+            payload, _lease = codec.decode(view, header, ledger.leases,
                                          ledger.on_release, slot,
                                          small_buffer=self._small_buffer)
-            del _lease
+            del _lease, view
         except BaseException:
             self._refill()
             raise

@@ -121,6 +121,22 @@ class SlotLedger:
     def mapping(self, slot: int):
         return self.pool.mappings[slot]
 
+    def fresh_view(self, slot: int, header):
+        """The mapping to decode `slot`'s new batch (its `header`) from: a share_batches
+        leader's private view, renewed for it (poolloader.shm.pool, renew_view: the
+        slot was FREE, so no view of its last batch is alive), else the slot's mapping."""
+        pool = self.pool
+        pool.renew_view(slot, fmt.DATA_OFF, fmt.reply_end(header, pool.size(slot)))
+        return pool.view(slot)
+
+    def never_viewed(self, slot: int) -> None:
+        """A delivered slot whose decode failed before its lease was taken: back as
+        its lease's death would bring it (the followers may still hold it)."""
+        if slot in self.shared:
+            self.parked.add(slot)
+        else:
+            self._free_viewed(slot)
+
     def header(self, slot: int):
         mapping = self.pool.mappings[slot]
         cached = self._headers.get(slot)
@@ -241,7 +257,7 @@ class SlotLedger:
 
     def _free_viewed(self, slot: int) -> None:
         """The last view of a delivered slot died: FREE again."""
-        mapping = self.pool.mappings[slot]
+        mapping = self.pool.view(slot)  # the one its batches viewed (a fork marks it)
         if mapping is not None and mapping.forked:
             self._renew(slot)  # a forked child may still read it: never rewrite it
         self.give_back(slot)

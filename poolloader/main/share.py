@@ -11,6 +11,19 @@ physical pages, no copy. A group that spans nodes is made once per node.
 
 What keeps it exact and safe:
 
+* Each rank's batch is its own. Every rank, the leader included, decodes its batches
+  from its own copy-on-write mapping of the slot (MAP_PRIVATE: the leader's pool keeps
+  one beside each slot's shared mapping, poolloader.shm.pool `private_views`; a
+  follower maps the descriptor it gets so): reads map the segment's pages, so no page
+  is copied while nobody writes, and a write (x.sub_(mean)) copies only the page it
+  touches, in that rank alone. Before the next batch in the slot is decoded, the rank
+  drops the pages it copied (`renew`, MADV_DONTNEED), so the view shows the workers'
+  new batch. The slot is then reused, so no view of this rank's last batch in it is
+  alive (below); a batch kept longer keeps its segment (a detach). On CUDA the view is
+  registered, and a pin cannot stay copy-on-write: its pages are made the rank's own
+  before registration, kept, and each batch is copied in from the segment's shared
+  mapping (docs/node.md, share_batches, "On CUDA").
+
 * Each follower still iterates its own sampler and compares each batch's indices
   with the leader's: ranks whose samplers disagree get an error at the first batch
   that differs, never another rank's data. So share_batches needs a map-style
@@ -19,10 +32,10 @@ What keeps it exact and safe:
   (poolloader.main.ledger: `shared`, `parked`); a follower says so with its next
   next(). If the leader runs out of slots meanwhile, it detaches the segment, as it
   does for a batch its own consumer keeps: the followers' mappings keep it alive.
-* On CUDA (pin_memory=True, device=) each rank registers its own mapping of a segment
-  once, and a follower's release reaches the leader only once its own copies from the
-  batch finished (poolloader.main.share_cuda); the leader's own copies gate it as any
-  pool's (its SlotGate).
+* On CUDA (pin_memory=True, device=) each rank registers its own private mapping of a
+  segment once, and a follower's release reaches the leader only once its own copies
+  from the batch finished (poolloader.main.share_cuda); the leader's own copies gate it
+  as any pool's (its SlotGate).
 * A follower that exits gives back what it held (its socket closes) and the others go
   on, with a warning on the leader; a leader that exits, or whose iterator fails, is an
   error on every follower at its next wait (the socket closes, or says why).
@@ -59,6 +72,7 @@ from poolloader.main.share_cuda import FollowerCuda
 from poolloader.resume.tracker import IteratorSetup, ResumeTracker
 from poolloader.shm import fork
 from poolloader.shm._shm import Mapping
+from poolloader.shm.pool import renew
 from poolloader.wire import codec
 from poolloader.wire import slot_format as fmt
 
@@ -425,8 +439,9 @@ class ShareFollower(node.Users):
         self.rank = rank
         self._timeout = loader.timeout
         self._sock: socket.socket | None = None
-        # (pool id, slot) -> (generation, mapping) of the leader's segments
-        self._maps: dict[tuple[int, int], tuple[int, Mapping]] = {}
+        # (pool id, slot) -> (generation, this rank's private view, the shared mapping
+        # when the view is registered with CUDA, else None) of the leader's segments
+        self._maps: dict[tuple[int, int], tuple[int, Mapping, Mapping | None]] = {}
         self.leases: dict = {}  # weakref to a Lease -> (pool id, slot, generation)
         # pin_memory / device=: registration and the reuse gate of this rank's copies,
         # made by its first iterator (cuda_side), closed with this link
@@ -544,7 +559,9 @@ class ShareFollower(node.Users):
         return pickle.loads(data), fds
 
     def receive(self, epoch: int, n: int, index, tracker):
-        """(mapping, key) of this epoch's batch `n`, whose indices must be `index`;
+        """(view, source, key) of this epoch's batch `n`, whose indices must be
+        `index`: the view (this rank's private mapping of the slot) to decode it from,
+        renewed for it, and the mapping to read its header and resume record from;
         `tracker` (the iterator's ResumeTracker) learns what the leader's learned."""
         while True:
             message, fds = self._recv()
@@ -565,13 +582,12 @@ class ShareFollower(node.Users):
                         self._forget(old)
                 if fds:
                     try:
-                        # MADV_DONTFORK, as the leader's (poolloader.shm.fork)
-                        mapping = Mapping(fds[0], size, True)
+                        view, shared = self._map(fds[0], size)
                     finally:
                         for fd in fds:
                             fork.release(fd)
                     self._forget((pool_id, slot))  # a segment the slot had before
-                    self._maps[(pool_id, slot)] = (generation, mapping)
+                    self._maps[(pool_id, slot)] = (generation, view, shared)
                     self.segments_mapped += 1
                 if their_epoch < epoch:  # an epoch this rank left early: not consumed
                     self._send_back(key)
@@ -602,13 +618,33 @@ class ShareFollower(node.Users):
                     "batches (the same sampler, seed and arguments: e.g. DistributedSampler("
                     "num_replicas=, rank=) set to the group's data-parallel rank, not the "
                     "global one)")
-            if self.cuda is not None:
-                try:
-                    self.cuda.register(have[1], slot)  # the first batch in it only
-                except BaseException:
-                    self._send_back(key)
-                    raise
-            return have[1], key
+            _, view, shared = have
+            try:
+                if self.cuda is not None:
+                    self.cuda.register(view, slot)  # the first batch in it only
+                # this rank's batches in the view are gone (the leader reuses a slot only
+                # once every rank dropped its batch), so its copied pages go: the view
+                # shows the leader's workers' new batch
+                source = shared if shared is not None else view
+                renew(view, shared, fmt.DATA_OFF,
+                      fmt.reply_end(fmt.header_view(source), view.size))
+            except BaseException:
+                self._send_back(key)
+                raise
+            return view, source, key
+
+    def _map(self, fd: int, size: int) -> tuple[Mapping, Mapping | None]:
+        """(this rank's private view of the leader's segment `fd`, the segment's shared
+        mapping, only when the view is to be registered with CUDA: then the view's
+        pages are made this rank's own before it is registered, and each batch is
+        copied in from the shared one; docs/node.md, share_batches, "On CUDA"). Both
+        MADV_DONTFORK, as the leader's (poolloader.shm.fork)."""
+        view = Mapping(fd, size, True, True)
+        if self.cuda is None or self.cuda.gate is None:
+            return view, None
+        shared = Mapping(fd, size, True)
+        view.pull(shared, 0, size)
+        return view, shared
 
     def _forget(self, where: tuple[int, int]) -> None:
         """Drop the mapping of (pool id, slot): its batches still view it; on CUDA it is
@@ -719,13 +755,13 @@ class FollowerIter(_BaseDataLoaderIter):
             # in order, so the leader's batch n answers its request n, as here
             index = self._resume.next_index(self._sampler_iter, n)  # StopIteration: epoch over
             self._drawn = index
-        mapping, key = link.receive(self._epoch, n, index, self._resume)
+        view, source, key = link.receive(self._epoch, n, index, self._resume)
         self._drawn = None
         self._n += 1
-        header = fmt.header_view(mapping)
-        record = (fmt.reply_state(mapping, header) or None) if self._stateful else None
+        header = fmt.header_view(source)
+        record = (fmt.reply_state(source, header) or None) if self._stateful else None
         self._resume.received(int(header[fmt.F_WORKER]), n, record, fmt.reply_is_error(header))
-        payload, lease = codec.decode(mapping, header, link.leases, link.on_release, key,
+        payload, lease = codec.decode(view, header, link.leases, link.on_release, key,
                                       small_buffer=self._small_buffer)
         del lease
         if fmt.reply_is_error(header):

@@ -5,12 +5,14 @@ The leader's pool registers its own mappings and gates its own reuse (its SlotGa
 any PoolLoader's). A follower maps the same segments at its own addresses, so with
 `pin_memory=True` (or `device="cuda"`) it registers each mapping itself, once, for as
 long as it keeps the mapping (across epochs and iterators: the mappings are its
-ShareFollower's, and so is this object). When the last view of a batch dies here,
-the gate takes its marker (SlotGate.release); the key goes back to the leader only
-when `ready()` returns it, so the leader's ledger (`shared`, `parked`) frees the slot
-only after every copy this rank queued from it has run. A mapping the follower drops
-(the leader gave the slot a new segment, or began a new pool) is unregistered once
-its own marker completed.
+ShareFollower's, and so is this object). Those are the rank's private views
+(poolloader.main.share), whose pages ShareFollower makes its own before they are
+registered and never drops (each batch is copied in), so what is pinned stays what
+the batch views. When the last view of a batch dies here, the gate takes its marker
+(SlotGate.release); the key goes back to the leader only when `ready()` returns it, so
+the leader's ledger (`shared`, `parked`) frees the slot only after every copy this rank
+queued from it has run. A mapping the follower drops (the leader gave the slot a new
+segment, or began a new pool) is unregistered once its own marker completed.
 
 Used from the follower's iterating thread only, except `close()`, which a finaliser
 may call: it makes no CUDA call (SlotGate.defer) and leaves the unregistrations to

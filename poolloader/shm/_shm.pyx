@@ -24,17 +24,30 @@ reuses a forked mapping for another batch. The hook may run while other threads
 make and drop mappings: it works on a snapshot of the registry (`_dontfork`, a dict
 address -> weakref, copied by one C call that runs no bytecode, so no thread switch
 can land in it), never on the live container.
+
+Private mappings (`private=True`, MAP_PRIVATE): what each rank of a share_batches
+group decodes its batches from (poolloader.main.share). Reading one maps the
+segment's own pages, so every rank reads the same physical memory and nothing is
+copied; a write copies only the page it touches, into this process alone. A page
+this process has not copied shows whatever the segment holds now (a worker's next
+batch included); a copied one keeps this process's bytes until `discard()` drops the
+copies (MADV_DONTNEED: the next read maps the segment's page again). `pull()` copies
+bytes in from another mapping of the segment instead: for a private mapping that is
+registered with CUDA, whose pages must stay the ones pinned (poolloader.shm.pool,
+`renew_view`).
 """
 from cpython.buffer cimport PyBuffer_FillInfo
 from cpython.dict cimport PyDict_Values
 from cpython.weakref cimport PyWeakref_NewRef
 from libc.stdint cimport uintptr_t
+from libc.string cimport memcpy
 
 cdef extern from "sys/mman.h" nogil:
     void *mmap(void *addr, size_t length, int prot, int flags, int fd, long offset)
     int munmap(void *addr, size_t length)
     int madvise(void *addr, size_t length, int advice)
-    int PROT_READ, PROT_WRITE, MAP_SHARED, MADV_DONTFORK, MADV_DOFORK
+    int PROT_READ, PROT_WRITE, MAP_SHARED, MAP_PRIVATE, MADV_DONTFORK, MADV_DOFORK
+    int MADV_DONTNEED
     void *MAP_FAILED
 
 from libc.errno cimport errno
@@ -51,7 +64,8 @@ cdef dict _dontfork = {}
 cdef class Mapping:
     """`size` bytes of `fd`, mapped shared and writable; see the module docstring.
 
-    `dontfork=True` keeps children forked later (other loaders' workers) from
+    `private=True` maps it copy-on-write instead (MAP_PRIVATE): see the module
+    docstring, `discard()` and `pull()`. `dontfork=True` keeps children forked later (other loaders' workers) from
     inheriting the mapping, which would keep replaced segments alive in them.
     `exports` counts live buffer exports, `leases` live Leases over it; `close()`
     unmaps early and refuses (BufferError) while any export is alive.
@@ -61,14 +75,16 @@ cdef class Mapping:
     cdef readonly Py_ssize_t exports
     cdef readonly Py_ssize_t leases
     cdef readonly bint forked
+    cdef readonly bint private
     cdef pid_t _owner
     cdef bint _dontfork
     cdef object __weakref__
 
-    def __cinit__(self, int fd, size_t size, bint dontfork=False):
+    def __cinit__(self, int fd, size_t size, bint dontfork=False, bint private=False):
         if size == 0:
             raise ValueError("cannot map 0 bytes")
-        cdef void *addr = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+        cdef void *addr = mmap(NULL, size, PROT_READ | PROT_WRITE,
+                               MAP_PRIVATE if private else MAP_SHARED, fd, 0)
         if addr == MAP_FAILED:
             raise OSError(errno, f"mmap of {size} bytes failed")
         if dontfork:
@@ -80,6 +96,7 @@ cdef class Mapping:
         self.exports = 0
         self.leases = 0
         self.forked = False
+        self.private = private
         if dontfork:
             _dontfork[<uintptr_t>addr] = PyWeakref_NewRef(self, None)
 
@@ -102,6 +119,43 @@ cdef class Mapping:
             madvise(self._addr, self.size, MADV_DOFORK)
             self._dontfork = False
         self.forked = True
+
+    cdef void *_range(self, size_t offset, size_t length, what) except NULL:
+        if self._addr == NULL:
+            raise ValueError("mapping is closed")
+        if offset > self.size or length > self.size - offset:
+            raise ValueError(f"{what} [{offset}, {offset + length}) outside a mapping of "
+                             f"{self.size} bytes")
+        if not self.private:
+            raise ValueError(f"{what} of a shared mapping: its pages are the segment's own")
+        if self.leases:
+            raise BufferError(f"cannot {what}: {self.leases} batches view this mapping")
+        return <char *>self._addr + offset
+
+    def discard(self, size_t offset, size_t length):
+        """Drop this process's copies of the pages of [offset, offset + length) (a
+        private mapping, no Lease alive): the next read maps the segment's own pages,
+        and shows what the segment holds. `offset` is page-aligned; the range ends on
+        its last page."""
+        if length == 0:
+            return
+        cdef char *start = <char *>self._range(offset, length, "discard")
+        cdef int code
+        with nogil:
+            code = madvise(start, length, MADV_DONTNEED)
+        if code != 0:
+            raise OSError(errno, f"madvise(MADV_DONTNEED) of {length} bytes at offset {offset} failed")
+
+    def pull(self, Mapping source, size_t offset, size_t length):
+        """Copy [offset, offset + length) of `source` (a mapping of the same size) into
+        this private mapping (no Lease alive): every page it touches becomes this
+        process's own, and keeps the bytes it has now."""
+        if source._addr == NULL or source.size != self.size:
+            raise ValueError("pull from a closed mapping or one of another size")
+        cdef char *dest = <char *>self._range(offset, length, "pull")
+        cdef char *src = <char *>source._addr + offset
+        with nogil:
+            memcpy(dest, src, length)
 
     def close(self):
         """Unmap now. Raises BufferError if a view is still alive."""

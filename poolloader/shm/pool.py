@@ -17,6 +17,13 @@ of dead owners' names). Both hand out the same poolloader.shm._shm.Mapping, so n
 above this module (the codec, the CUDA registration) knows which one is in use, and
 nothing here names one: a backend is found by its kind (backends.load).
 
+Private views (`private_views=True`, a share_batches leader: poolloader.main.share):
+beside each slot's shared mapping (main's writes, the header, what workers find),
+main keeps a copy-on-write mapping of the same segment (`view`), which its batches
+are decoded from, so a write to a delivered batch stays in this process.
+`renew_view` readies a view for the slot's next batch. The view is what `on_map`
+registers with CUDA and what `detach` hands over (the one a batch's lease holds).
+
 Everything a worker can write is untrusted here: main keeps its own copies of what
 it wrote (generations, the growth counter, slot counts) and checks the ack table
 against them; the worker side bounds what it reads by the shape it validated when
@@ -89,6 +96,18 @@ def attach(locator: tuple) -> WorkerSide:
     return backends.load(locator[0]).Attachment(*locator[1:])
 
 
+def renew(view: Mapping, source: Mapping | None, start: int, end: int) -> None:
+    """Ready a private view of a segment for the next batch in it (no Lease of the
+    view alive): without a `source`, drop the pages this process copied from `start`
+    on, so reads map the segment's pages again; with one (the segment's shared
+    mapping: a view registered with CUDA, whose pinned pages must stay), copy
+    [start, end) in from it."""
+    if source is None:
+        view.discard(start, view.size - start)
+    else:
+        view.pull(source, start, min(end, view.size) - start)
+
+
 class SlotPool:
     """Main side: owns every segment of one loader's pool.
 
@@ -99,14 +118,16 @@ class SlotPool:
 
     def __init__(self, num_workers: int, slots: int, max_slots: int, slot_bytes: int,
                  shm_limit: int | None = None, on_map=None, on_unmap=None,
-                 backend: str | None = None, hosts: int = 0, keep_handles: bool = False):
+                 backend: str | None = None, hosts: int = 0, keep_handles: bool = False,
+                 private_views: bool = False):
         """`hosts`: 0 (every worker its own process), or the number of processes that
         host the num_workers logical workers (PoolLoader(node_workers=)): the control
         block then has a request doorbell per host (control.py). `keep_handles`: keep
         each segment's release key (a memfd's descriptor) while it is the slot's, not
         only until the workers mapped it: a share_batches leader passes it to its
-        followers (`descriptor`)."""
-        self.keep_handles = keep_handles
+        followers (`descriptor`). `private_views`: decode from a private mapping of
+        each segment (`view`; the module docstring); needs keep_handles."""
+        self.keep_handles = keep_handles or private_views
         self.shm_limit = cap(shm_limit)
         self.num_workers = num_workers
         self.max_slots = max_slots
@@ -117,6 +138,8 @@ class SlotPool:
         self._on_map = on_map
         self._on_unmap = on_unmap
         self.mappings: list[Mapping | None] = []
+        # private_views: each slot's copy-on-write mapping of the same segment
+        self.views: list[Mapping | None] | None = [] if private_views else None
         self.generations: list[int] = []
         self.growth_events = 0
         # release key (name or descriptor) -> (slot, generation) awaiting acks
@@ -194,12 +217,16 @@ class SlotPool:
         if slot >= self.max_slots:
             raise ValueError(f"internal error: slot {slot} beyond max_slots={self.max_slots}")
         self.mappings.append(None)
+        if self.views is not None:
+            self.views.append(None)
         self.generations.append(0)
         self._keys.append(None)
         try:
             self._map_new(slot, self.target_bytes)
         except BaseException:
             self.mappings.pop()
+            if self.views is not None:
+                self.views.pop()
             self.generations.pop()
             self._keys.pop()
             raise
@@ -215,9 +242,7 @@ class SlotPool:
         """
         nbytes = page_round(nbytes)
         self.target_bytes = max(self.target_bytes, nbytes)
-        old = self.mappings[slot]
-        if old is not None:
-            self.detach(slot)
+        old = self.detach(slot) if self.mappings[slot] is not None else None
         try:
             self._map_new(slot, nbytes)
         finally:
@@ -234,8 +259,15 @@ class SlotPool:
         """Take `slot`'s segment out of the pool and return its mapping: what workers
         would find it by is released and the slot is empty (generation 0: workers drop
         their mapping of it at their next sync) until `refill()`. The mapping is the
-        caller's: still mapped (and registered)."""
+        caller's: still mapped (and registered). With private views, that is the
+        slot's view (what its batches view, what on_map registered); the shared
+        mapping is dropped here."""
         old = self.mappings[slot]
+        if self.views is not None:
+            shared, old = old, self.views[slot]
+            self.views[slot] = None
+            if shared is not None:
+                retire(shared)
         key = self._keys[slot]
         if key is not None:
             self._pending.pop(key, None)
@@ -256,13 +288,20 @@ class SlotPool:
         self._check_cap(nbytes, self.total_bytes + self._control_mapping.size, what)
         generation = self.generations[slot] + 1
         mapping, a, b, key = self.segments.create(slot, generation, nbytes, what)
-        if self._on_map is not None:
-            try:
-                self._on_map(mapping, slot)
-            except BaseException:
-                self.segments.release(key)
-                retire(mapping)
-                raise
+        view = None
+        try:
+            if self.views is not None:
+                view = self._private_view(mapping, key)
+            if self._on_map is not None:
+                self._on_map(mapping if view is None else view, slot)
+        except BaseException:
+            self.segments.release(key)
+            retire(mapping)
+            if view is not None:
+                retire(view)
+            raise
+        if self.views is not None:
+            self.views[slot] = view
         self._pending[key] = (slot, generation)
         self._keys[slot] = key
         self.mappings[slot] = mapping
@@ -270,6 +309,38 @@ class SlotPool:
         row = self.control.slot_table[slot]
         row[S_SIZE], row[S_HANDLE_A], row[S_HANDLE_B] = nbytes, a, b
         row[S_GENERATION] = generation  # last: readers key on it
+
+    def _private_view(self, mapping: Mapping, key) -> Mapping:
+        """A copy-on-write mapping of `mapping`'s segment. To be registered with CUDA
+        (on_map), every page is made this process's own first (`pull`): a pin of a
+        private page that is still the segment's would break copy-on-write at the
+        pin, or leave the device reading the segment's page once a write copies it
+        (docs/node.md, share_batches, "On CUDA"); its pages then stay the ones pinned
+        (renew_view copies each batch into them)."""
+        if not isinstance(key, int):
+            raise RuntimeError(f"internal error: a private view needs a memfd segment, got {key!r}")
+        view = Mapping(key, mapping.size, True, True)
+        if self._on_map is not None:
+            view.pull(mapping, 0, mapping.size)
+        return view
+
+    def view(self, slot: int) -> Mapping | None:
+        """The mapping `slot`'s batches are decoded from: its private view, else its
+        shared mapping."""
+        return self.mappings[slot] if self.views is None else self.views[slot]
+
+    def renew_view(self, slot: int, start: int, end: int) -> None:
+        """Before a new batch in `slot` is decoded from its view (main owns the slot
+        and no lease of it is alive): the bytes of [start, end) are the segment's
+        now. An unregistered view drops the pages this process copied from `start`
+        on (the next read maps the segment's); a registered one copies [start, end)
+        in, its pinned pages kept. No-op without private views."""
+        if self.views is None:
+            return
+        view, shared = self.views[slot], self.mappings[slot]
+        if view is None or shared is None:
+            raise RuntimeError(f"internal error: slot {slot} has no segment to renew")
+        renew(view, shared if self._on_map is not None else None, start, end)
 
     def _bump(self) -> None:
         self._growth += 1
@@ -345,13 +416,18 @@ class SlotPool:
             failure = e
         for slot, mapping in enumerate(self.mappings):
             if mapping is not None:
+                view = self.views[slot] if self.views is not None else None
                 try:
                     if self._on_unmap is not None:
-                        self._on_unmap(mapping, slot)
+                        self._on_unmap(mapping if view is None else view, slot)
                 except BaseException as e:  # the other slots are unmapped all the same
                     failure = failure or e
                 retire(mapping)
+                if view is not None:
+                    retire(view)
         self.mappings = []
+        if self.views is not None:
+            self.views = []
         if self.control is not None:
             self.control.close_views()
             self.control = None  # type: ignore[assignment]

@@ -314,6 +314,15 @@ def claimed_data_len(header: np.ndarray, slot_size: int) -> int:
     return min(int(header[F_DATA_LEN]), slot_size - DATA_OFF)
 
 
+def reply_end(header: np.ndarray, slot_size: int) -> int:
+    """Where the bytes a reply claims (data region, small block, skeleton) end, clamped
+    to the slot: what a copy of the reply must cover (decode checks the claims)."""
+    ends = (DATA_OFF + int(header[F_DATA_LEN]),
+            int(header[F_SMALL_OFF]) + int(header[F_SMALL_LEN]),
+            int(header[F_SKELETON_OFF]) + int(header[F_SKELETON_LEN]))
+    return max(DATA_OFF, min(max(ends), slot_size))
+
+
 def check_reply(header: np.ndarray, slot_size: int) -> tuple[int, int, int, int, int, int]:
     """Validate a published reply's header against the slot size; returns
     (data_len, small_off, small_len, skeleton_off, skeleton_len, skeleton_crc)."""
