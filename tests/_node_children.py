@@ -743,6 +743,23 @@ def main() -> dict:
         got, side = one(PoolLoader, "pool", share_batches=list(range(WORLD)))
         meet("done")
         return {"equal": same([expected], [got]), "role": getattr(side, "role", None)}
+    if CASE == "share_fds":  # 1100 descriptors open in each rank before its loaders
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 4096), max(hard, 4096)))
+        held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+        try:
+            expected = epochs(shared_loader(DataLoader, "torch"), n=1)
+            pool, sampler = shared_loader(PoolLoader, "pool", share_batches=SHARE_GROUP)
+            got = epochs((pool, sampler), n=1)
+            result = {"equal": same(expected, got), "role": getattr(pool._share, "role", None),
+                      "lowest_free": os.dup(0)}
+            os.close(result["lowest_free"])
+        finally:
+            for fd in held:
+                os.close(fd)
+        meet("done")
+        return result
     raise ValueError(CASE)
 
 

@@ -1,0 +1,103 @@
+"""How the local ranks' loaders meet (poolloader.main.rendezvous): above 1024 open
+descriptors, and a rendezvous name someone else holds.
+
+Loaders meeting by where they are built is tested end to end in test_node_pool.py
+(test_loaders_meet_by_where_they_are_built) and through torchrun in
+test_train_script.py (examples/ddp_eval.py)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+
+import pytest
+from test_node_pool import _ranks
+
+from poolloader import PoolLoader
+from poolloader.main import rendezvous
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+MANY_DESCRIPTORS = textwrap.dedent("""
+    import os, resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 4096), max(hard, 4096)))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    assert min(held) < 1024 < max(held)
+    from poolloader import PoolLoader
+    batches = [b.tolist() for b in PoolLoader(list(range(10)), batch_size=3, num_workers=2)]
+    assert batches == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]], batches
+    print("ok", max(held))
+""")
+
+
+def test_a_process_with_1100_descriptors_open_iterates_a_default_loader():
+    """A fresh process (the memfd probe runs once per process): the probe's wait and
+    every other one poolloader makes takes descriptors above 1024 (select() raised
+    ValueError there, so iter() failed)."""
+    done = subprocess.run([sys.executable, "-c", MANY_DESCRIPTORS], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("ok"), done.stdout + done.stderr
+
+
+def test_a_share_group_with_1100_descriptors_open_shares(tmp_path):
+    results, codes, logs = _ranks(tmp_path, "share_fds", 2)
+    assert codes == [0, 0], logs
+    assert [r["role"] for r in results] == ["leader", "follower"], results
+    for r in results:
+        assert r["equal"] and r["lowest_free"] > 1024, (results, logs)
+
+
+HOLDER = textwrap.dedent("""
+    import socket, sys, time
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(bytes.fromhex(sys.argv[1]))
+    s.listen(1)
+    print("ready", flush=True)
+    time.sleep(60)
+""")
+
+
+def test_a_name_held_by_another_job_is_an_error_that_says_so(monkeypatch):
+    """Another process (not a local rank of this job) holds the name this loader meets
+    at: the error names it and says what EADDRINUSE means here, instead of a rank joining
+    it or waiting."""
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", f"pltest-{uuid.uuid4().hex}")
+    monkeypatch.setenv("POOLLOADER_NODE_RANK_PID", str(os.getpid()))
+    monkeypatch.setattr(rendezvous, "build_site", lambda: "the-place")
+    group = rendezvous.local_group()
+    assert group is not None
+    k = rendezvous._builds["node", "the-place"]
+    name = rendezvous.address(group.run_key, f"node/the-place/{k}")
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, name.hex()], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        with pytest.raises(RuntimeError) as raised:
+            PoolLoader(list(range(4)), num_workers=2, node_pool=True)
+        message = str(raised.value)
+        assert f"by pid {holder.pid} of uid {os.getuid()}" in message, message
+        assert "EADDRINUSE" in message and "not a local rank of this job" in message
+        assert "node_pool=False" in message
+    finally:
+        holder.kill()
+        holder.wait(10)
+
+
+def test_the_name_carries_what_only_the_job_knows(monkeypatch):
+    """Two jobs that differ only in what /proc shows no other user (torchrun's run id,
+    its master port) get other names."""
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("POOLLOADER_NODE_RANK_PID", str(os.getpid()))
+    names = set()
+    for run_id, port in (("a", "29500"), ("b", "29500"), ("a", "29501")):
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", run_id)
+        monkeypatch.setenv("MASTER_PORT", port)
+        names.add(rendezvous.address(rendezvous.local_group().run_key, "node/x/0"))
+    assert len(names) == 3
