@@ -149,7 +149,6 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
             hosts=hosts, keep_handles=self._share is not None,
             private_views=self._share is not None)
         self._ledger = SlotLedger(self._pool, self._stats, self._gate, size.capacity)
-        self._ledger.share = self._share
         self._shutdown = False
         if self._node is not None:
             self._node.acquire()  # released by the teardown's last step (_leave_node)
@@ -434,6 +433,8 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         pushed: list = []
         try:
             request = fmt.encode_request(index, self._int_list_requests)
+            if self._share is not None:
+                self._share.collect()  # the followers' releases: slots take() may reuse
             slot = ledger.take(fmt.request_slot_bytes(request))
             fmt.write_request(ledger.mapping(slot), ledger.header(slot), seq,
                               self._epoch, worker, request, seed)

@@ -115,7 +115,6 @@ class SlotLedger:
         # followers still hold]; `parked`: such slots whose views here are gone too
         self.shared: dict[int, list[int]] = {}
         self.parked: set[int] = set()
-        self.share = None  # the leader's ShareLeader: take() collects its releases first
 
     # -- views of a slot --------------------------------------------------------
     def mapping(self, slot: int):
@@ -150,10 +149,10 @@ class SlotLedger:
         size), now: FREE; else a new one up to `capacity` (on CUDA, further while slots
         cool); else a cooling one (bounded wait); else the oldest LEASED one, detached.
         A refill or replacement that fails (no space) puts the slot back FREE, empty,
-        before the error is raised. The slot is also left in `taking` until the caller
+        before the error is raised. A share_batches leader's iterator collects its
+        followers' releases first (ShareLeader.collect): the ledger holds slot states
+        only. The slot is also left in `taking` until the caller
         clears it (an interrupt as take() returns: see put_back)."""
-        if self.share is not None:
-            self.share.collect()
         if self.released:
             self.drain()
         gate = self.gate
