@@ -197,6 +197,7 @@ class ShareLeader(node.Users):
         self._pool_id = 0  # one per ledger: a late release of an older pool's slot is stale
         self._epoch = 0
         self._n = 0
+        self._published: tuple[int, int] | None = None  # (epoch, seq) published last
         self._ended = True
         self._listener = node.held_socket(socket.SOCK_SEQPACKET)
         try:
@@ -290,15 +291,18 @@ class ShareLeader(node.Users):
         self._ended = False
         return self._epoch
 
-    def publish(self, epoch: int, pool, slot: int, index) -> None:
-        """Hand `slot` (delivered now by the leader in its `epoch`, begin_epoch's) to
-        every follower; the ledger keeps the slot until each has dropped it. Before the
-        leader decodes it."""
+    def publish(self, epoch: int, pool, slot: int, index, seq: int) -> None:
+        """Hand `slot` (delivered now by the leader in its `epoch`, begin_epoch's, as its
+        batch `seq`) to every follower; the ledger keeps the slot until each has dropped
+        it. Before the leader decodes it. Once per batch: the leader's delivery that an
+        interrupt cut short after this returned publishes nothing when it is redone."""
         if epoch != self._epoch:
             raise RuntimeError(
                 f"PoolLoader(share_batches=...): rank {self.rank} iterates this loader "
                 "with two iterators at once (an older one resumed after a newer one began "
                 "its epoch); a share_batches loader has one live iterator: drop the old one")
+        if self._published == (epoch, seq):
+            return
         if self._n == 0:
             self._wait_joined()
         self.collect()
@@ -308,7 +312,7 @@ class ShareLeader(node.Users):
         if len(body) > _MAX_MESSAGE:
             raise ValueError(f"PoolLoader(share_batches=...): a batch's sample indices take "
                              f"{len(body)} bytes pickled, more than {_MAX_MESSAGE}")
-        self._n += 1
+        self._published, self._n = (epoch, seq), self._n + 1  # together: no call between
         for f in list(self._followers):
             try:
                 if f.sent.get(slot) != generation:
@@ -445,6 +449,9 @@ class ShareFollower(node.Users):
         self._released: collections.deque = collections.deque()
         self.on_release = self._released.append
         self._early: tuple | None = None  # a later epoch's message, read while this one ran
+        # (epoch, n, mapping, key, indices) of the batch receive() returned last, until
+        # its decode's lease holds it (settle): an interrupt between the two leaves it here
+        self._handed: tuple | None = None
         self._epoch = 0
         deadline = time.monotonic() + timeout
         while True:
@@ -495,6 +502,7 @@ class ShareFollower(node.Users):
     def flush(self) -> None:
         """Tell the leader which batches this rank dropped: on CUDA, only once the copies
         this rank queued from them have finished (FollowerCuda)."""
+        self._settle(None)  # before the releases below: its lease may be among them
         cuda = self.cuda
         if self._sock is None or not self._released and (
                 cuda is None or cuda.gate is None or not cuda.gate.pending):
@@ -549,9 +557,55 @@ class ShareFollower(node.Users):
                              "exited or closed its loader")
         return pickle.loads(data), fds
 
+    def _settle(self, wanted: tuple[int, int] | None) -> tuple | None:
+        """The batch receive() returned last, if it is (epoch, n) `wanted` and was not
+        decoded (an interrupt came between the two: the iterator asks for it again).
+        Otherwise it is done with once decoded (its lease holds it), or, when another
+        batch is `wanted`, lost with the interrupted next() (given back, as its holder);
+        `wanted` None: kept until the next receive()."""
+        handed = self._handed
+        if handed is None:
+            return None
+        key = handed[3]
+        if key in self.leases.values():  # decoded: until flush() takes the lease out
+            self._handed = None
+            return None
+        if wanted is None or handed[:2] == wanted:
+            return handed
+        self._handed = None
+        self._send_back(key)
+        return None
+
     def receive(self, epoch: int, n: int, index, tracker):
         """(mapping, key) of this epoch's batch `n`, whose indices must be `index`;
-        `tracker` (the iterator's ResumeTracker) learns what the leader's learned."""
+        `tracker` (the iterator's ResumeTracker) learns what the leader's learned. The
+        caller decodes it (its lease in `leases`, keyed by `key`) or asks for the same
+        (epoch, n) again; anything else gives it back."""
+        handed = self._settle((epoch, n))
+        if handed is None:
+            handed = self._next_batch(epoch, n, tracker)
+        _epoch, _n, mapping, key, theirs = handed
+        if theirs != index:
+            self._handed = None
+            self._send_back(key)
+            raise ValueError(
+                f"PoolLoader(share_batches=...): batch {n} of rank {self.leader} holds the "
+                f"samples {_short(theirs)}, but this rank {self.rank}'s sampler gives "
+                f"{_short(index)}: the ranks of a share_batches group must consume identical "
+                "batches (the same sampler, seed and arguments: e.g. DistributedSampler("
+                "num_replicas=, rank=) set to the group's data-parallel rank, not the "
+                "global one)")
+        if self.cuda is not None:
+            try:
+                self.cuda.register(mapping, key[1])  # the first batch in it only
+            except BaseException:
+                self._handed = None
+                self._send_back(key)
+                raise
+        return mapping, key
+
+    def _next_batch(self, epoch: int, n: int, tracker) -> tuple:
+        """Read the leader's messages up to this epoch's batch `n`; it is `_handed`."""
         while True:
             message, fds = self._recv()
             kind = message[0]
@@ -599,22 +653,8 @@ class ShareFollower(node.Users):
                 raise RuntimeError(f"internal error: rank {self.rank} got batch {k} (slot {slot}, "
                                    f"generation {generation}) from rank {self.leader}, "
                                    f"expecting batch {n}")
-            if theirs != index:
-                self._send_back(key)
-                raise ValueError(
-                    f"PoolLoader(share_batches=...): batch {n} of rank {self.leader} holds the "
-                    f"samples {_short(theirs)}, but this rank {self.rank}'s sampler gives "
-                    f"{_short(index)}: the ranks of a share_batches group must consume identical "
-                    "batches (the same sampler, seed and arguments: e.g. DistributedSampler("
-                    "num_replicas=, rank=) set to the group's data-parallel rank, not the "
-                    "global one)")
-            if self.cuda is not None:
-                try:
-                    self.cuda.register(have[1], slot)  # the first batch in it only
-                except BaseException:
-                    self._send_back(key)
-                    raise
-            return have[1], key
+            self._handed = (epoch, n, have[1], key, theirs)
+            return self._handed
 
     def _forget(self, where: tuple[int, int]) -> None:
         """Drop the mapping of (pool id, slot): its batches still view it; on CUDA it is
@@ -631,6 +671,7 @@ class ShareFollower(node.Users):
 
     def close(self) -> None:
         sock, self._sock = self._sock, None
+        self._handed = None  # the socket's close gives back what this rank held
         node.close_socket(sock)
         cuda, self.cuda = self.cuda, None
         if cuda is not None:
