@@ -147,3 +147,33 @@ def test_an_interrupted_next_loses_at_most_its_batch(window):
     else:
         assert_same(expected[:K] + expected[K + 1:], first, "interrupted epoch")
     assert_same(ref[1], got[1], "next epoch")
+
+
+# -- share_batches: real ranks (tests/_review_children.py) ---------------------------------
+
+def _review_ranks(tmp_path, monkeypatch, case: str, arg: str = ""):
+    monkeypatch.setattr(test_node_pool, "CHILD", REVIEW_CHILD)
+    return test_node_pool._ranks(tmp_path, case, 2, arg)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("case", ["follower_interrupt", "leader_interrupt"])
+def test_an_interrupted_rank_of_a_share_group_loses_at_most_its_batch(tmp_path, monkeypatch,
+                                                                      case):
+    """share_batches=[0, 1], persistent workers, two epochs. "follower_interrupt": the
+    follower's third next() is interrupted as soon as link.receive() returned (before
+    its counters moved); "leader_interrupt": the leader's, as it enters _process_data.
+    Every rank's epochs are its DataLoader's, less at most that one batch on the rank
+    interrupted, and the next epoch is whole.
+
+    Today the follower's next next() waits for the batch it already read and gets the
+    one after ("internal error: ... got batch 3 ..., expecting batch 2"); the leader's
+    lost batch leaves its publishing one behind its follower's sampler (a ValueError on
+    the follower: the batch's samples are not its sampler's)."""
+    results, codes, logs = _review_ranks(tmp_path, monkeypatch, case)
+    assert codes == [0, 0], logs
+    trapped = 1 if case == "follower_interrupt" else 0
+    for rank, r in enumerate(results):
+        assert r["fired"] == ([2] if rank == trapped else []), (rank, r, logs)
+        assert r["equal0"] and r["equal1"], (rank, r, logs)
+        assert r["lost"] in ((0, 1) if rank == trapped else (0,)), (rank, r)

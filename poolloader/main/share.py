@@ -53,7 +53,7 @@ from torch.utils.data import IterableDataset
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from poolloader.cuda import gate
-from poolloader.errors import WorkerDied, warn
+from poolloader.errors import StallWarning, WorkerDied, warn
 from poolloader.main import node
 from poolloader.main.share_cuda import FollowerCuda
 from poolloader.resume.tracker import IteratorSetup, ResumeTracker
@@ -175,6 +175,9 @@ class _Follower:
         self.pid = pid
         self.sent: dict[int, int] = {}  # slot -> the generation whose descriptor it has
         self.held: collections.Counter = collections.Counter()  # (pool, slot, generation) -> batches
+        self.last_epoch = 0  # the leader's epoch of the last batch sent to it
+        self.finished = 0  # the last epoch it said it finished (its sampler ran out)
+        self.said_bye = False  # it closed its loader (or its process exits normally)
 
 
 class ShareLeader(node.Users):
@@ -326,6 +329,7 @@ class ShareLeader(node.Users):
                 self._gone(f)
                 continue
             f.held[key] += 1
+            f.last_epoch = self._epoch
             self.ledger.share_out(slot, generation)
 
     def _stuck(self, f: _Follower) -> RuntimeError:
@@ -379,32 +383,54 @@ class ShareLeader(node.Users):
                 self._gone(f)
 
     def collect(self) -> None:
-        """Take in every release the followers sent (never waits)."""
+        """Take in every message the followers sent (never waits): releases, and the
+        ends of their epochs and loaders."""
         for f in list(self._followers):
-            while True:
-                try:
-                    data = f.sock.recv(_MAX_MESSAGE, socket.MSG_DONTWAIT)
-                except BlockingIOError:
-                    break
-                except OSError:
-                    data = b""
-                if not data:
-                    self._gone(f)
-                    break
-                for key, forked in pickle.loads(data)[1]:
-                    key = tuple(key)
-                    if f.held[key] > 0:  # else a stale pool's, or no batch it had
-                        f.held[key] -= 1
-                        if forked:  # a child of the follower may still read it
-                            self.ledger.share_abandon(key[1], key[2])
-                        else:
-                            self.ledger.share_back(key[1], key[2])
+            if not self._read(f):
+                self._gone(f)
+
+    def _read(self, f: _Follower) -> bool:
+        """Take in what `f` sent, without waiting; False once its socket closed."""
+        while True:
+            try:
+                data = f.sock.recv(_MAX_MESSAGE, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return True
+            except OSError:
+                data = b""
+            if not data:
+                return False
+            message = pickle.loads(data)
+            if message[0] == "finished":
+                f.finished = max(f.finished, message[1])
+                continue
+            if message[0] == "bye":
+                f.said_bye = True
+                continue
+            for key, forked in message[1]:
+                key = tuple(key)
+                if f.held[key] > 0:  # else a stale pool's, or no batch it had
+                    f.held[key] -= 1
+                    if forked:  # a child of the follower may still read it
+                        self.ledger.share_abandon(key[1], key[2])
+                    else:
+                        self.ledger.share_back(key[1], key[2])
 
     def _gone(self, f: _Follower) -> None:
+        """`f`'s socket closed. A warning only if it left while this rank's epoch still
+        counts on it: it died (it closed without a word: killed, or its process ended
+        without running finalisers), or it closed its loader in the middle of an epoch
+        this rank is still in, having taken some of its batches and not finished it.
+        A follower that finished its last epoch (or had not begun this one) and then
+        closed its loader or exited, leaves quietly, whatever batch it still held."""
         with self._lock:
             if f not in self._followers:
                 return
             self._followers.remove(f)
+        try:
+            self._read(f)  # what it said before it closed (its releases, "finished", "bye")
+        except Exception:
+            pass
         node.close_socket(f.sock)
         if self.ledger is not None:
             # its batches may outlive its socket (a batch still viewed after its loader
@@ -412,9 +438,12 @@ class ShareLeader(node.Users):
             for (_pool, slot, generation), count in f.held.items():
                 if count > 0:
                     self.ledger.share_abandon(slot, generation)
-        if not self._closed:
+        mid_epoch = not self._ended and f.last_epoch == self._epoch and f.finished < self._epoch
+        if not self._closed and (not f.said_bye or mid_epoch):
+            how = "exited or closed its loader" if not f.said_bye else \
+                f"closed its loader during epoch {self._epoch}, before its end"
             warn(f"PoolLoader(share_batches=...): rank {f.rank} (pid {f.pid}), which shared "
-                 f"rank {self.rank}'s batches, left (exited or closed its loader); this rank "
+                 f"rank {self.rank}'s batches, left ({how}); this rank "
                  "goes on without it (the slots it held get new segments when needed)")
 
     def close(self) -> None:
@@ -438,6 +467,7 @@ class ShareFollower(node.Users):
         self.leader = leader
         self.rank = rank
         self._timeout = loader.timeout
+        self._stall_warning = loader.stall_warning
         self._sock: socket.socket | None = None
         # (pool id, slot) -> (generation, mapping) of the leader's segments
         self._maps: dict[tuple[int, int], tuple[int, Mapping]] = {}
@@ -527,9 +557,11 @@ class ShareFollower(node.Users):
             except OSError:
                 pass  # the leader is gone: the next receive says so
 
-    def _recv(self):
+    def _recv(self, what: str = "a message"):
         """The next message from the leader, and its descriptors; waits as DataLoader's
-        next() does (timeout=, else as long as the leader lives and says nothing)."""
+        next() does (timeout=, else as long as the leader lives and says nothing), with
+        a StallWarning once per wait that lasts `stall_warning` s (`what`: what it
+        waits for, for that warning)."""
         if self._early is not None:
             early, self._early = self._early, None
             return early
@@ -537,13 +569,18 @@ class ShareFollower(node.Users):
         if sock is None:
             raise RuntimeError("PoolLoader(share_batches=...): this loader was closed")
         started = time.monotonic()
+        warn_at = None if self._stall_warning is None else started + self._stall_warning
         while True:
-            ready, _, _ = select.select([sock], [], [], 1.0)
+            tick = 1.0 if warn_at is None else min(1.0, max(0.0, warn_at - time.monotonic()))
+            ready, _, _ = select.select([sock], [], [], tick)
             if ready:
                 break
             if self._timeout and time.monotonic() - started > self._timeout:
                 raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds "
                                    f"(waiting for rank {self.leader}'s shared batch)")
+            if warn_at is not None and time.monotonic() >= warn_at:
+                warn_at = None  # once per stall: the next wait that stalls warns again
+                self._warn_stall(time.monotonic() - started, what)
         try:
             with fork.creating():  # a fork from another thread never inherits these
                 data, fds, _flags, _addr = socket.recv_fds(sock, _MAX_MESSAGE, 1)
@@ -576,6 +613,28 @@ class ShareFollower(node.Users):
         self._send_back(key)
         return None
 
+    def _warn_stall(self, waited: float, what: str) -> None:
+        warn(StallWarning(
+            f"PoolLoader(share_batches=...): next() on rank {self.rank} has waited "
+            f"{waited:.1f} s for {what} from rank {self.leader} (pid {self.leader_pid}), "
+            "whose workers make the batches this rank shares, and goes on waiting "
+            f"(timeout={self._timeout}; this warning: stall_warning={self._stall_warning}, "
+            f"None turns it off). Rank {self.leader} may be stuck, or not iterating this "
+            "loader: its own stall warning names the worker that owes a batch"), StallWarning)
+
+    def finished(self, epoch: int) -> None:
+        """This rank's sampler ran out in `epoch`: its leader need not count on it in
+        that epoch any more (a later close is a normal end: ShareLeader._gone)."""
+        self._tell(("finished", epoch))
+
+    def _tell(self, message) -> None:
+        if self._sock is None:
+            return
+        try:
+            self._sock.send(_pack(message), socket.MSG_DONTWAIT)
+        except OSError:
+            pass  # the leader is gone (the next receive says so), or its socket is full
+
     def receive(self, epoch: int, n: int, index, tracker):
         """(mapping, key) of this epoch's batch `n`, whose indices must be `index`;
         `tracker` (the iterator's ResumeTracker) learns what the leader's learned. The
@@ -607,7 +666,7 @@ class ShareFollower(node.Users):
     def _next_batch(self, epoch: int, n: int, tracker) -> tuple:
         """Read the leader's messages up to this epoch's batch `n`; it is `_handed`."""
         while True:
-            message, fds = self._recv()
+            message, fds = self._recv(f"batch {n} of epoch {epoch}")
             kind = message[0]
             if kind == "seen" and message[1] <= epoch:
                 # also an earlier epoch's: this rank read no batch since (each follows
@@ -670,6 +729,9 @@ class ShareFollower(node.Users):
             pass
 
     def close(self) -> None:
+        """Also from a finaliser (the loader collected, or the process exiting): says
+        goodbye first, so the leader knows this is no death."""
+        self._tell(("bye",))
         sock, self._sock = self._sock, None
         self._handed = None  # the socket's close gives back what this rank held
         node.close_socket(sock)
@@ -734,6 +796,7 @@ class FollowerIter(_BaseDataLoaderIter):
             data = super().__next__()
         except StopIteration:
             self._resume.finish()
+            self._link.finished(self._epoch)
             raise
         except BaseException:
             self._resume.raised(staged=self._stager is not None)
