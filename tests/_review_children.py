@@ -32,7 +32,6 @@ import traceback
 import warnings
 
 import _node_children as nc
-import torch
 from _node_children import RANK, SHARE_GROUP, meet, note, read, same, shared_loader
 from test_interrupts import _AfterLine, _AtEntry
 from torch.utils.data import DataLoader
@@ -176,11 +175,11 @@ def main() -> dict:
     if CASE == "copy":
         expected = expected_epochs(n=1)[0]
         out = {}
-        share_made, sampler = shared_loader(PoolLoader, "pool", share_batches=SHARE_GROUP)
-        node_made, node_sampler = nc.loader(PoolLoader, node_pool=True)
+        share_made, _ = shared_loader(PoolLoader, "pool", share_batches=SHARE_GROUP)
+        node_made, _ = nc.loader(PoolLoader, node_pool=True)
         node_expected = nc.epochs(nc.loader(DataLoader), n=1)[0]
-        for name, made, smp, want in (("share", share_made, sampler, expected),
-                                      ("node", node_made, node_sampler, node_expected)):
+        for name, made, want in (("share", share_made, expected),
+                                 ("node", node_made, node_expected)):
             linked = (made._share if name == "share" else made._node) is not None
             for how in ("deepcopy", "pickle"):
                 try:

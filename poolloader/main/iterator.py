@@ -628,7 +628,8 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                 return self._process_data(idx)
             # in order: delivered at the top of the loop once it is the next one
 
-    def _process_data(self, idx: int):
+    # torch's name, another signature: only this class's _next_host calls it
+    def _process_data(self, idx: int):  # type: ignore[override]
         """Deliver batch `idx`, READY in the reorder buffer. Its entry stays there until
         the decode's lease holds the slot (_settle_delivery), and every step before the
         decode may run twice: an interrupt (KeyboardInterrupt, or any exception a signal
