@@ -80,6 +80,8 @@ WINDOWS = {
     "draw_worker": lambda: _AfterLine(PoolLoaderIter._draw, "self._worker_queue_idx_cycle"),
     # _next_host hands the READY batch to _process_data
     "process_data_entry": lambda: _AtEntry(PoolLoaderIter._process_data),
+    # the batch was decoded; its refill (DataLoader's _try_put_index) not yet owed
+    "refill_entry": lambda: _AtEntry(PoolLoaderIter._refill),
 }
 K = 3  # the next() interrupted (0-based): batches 0..2 were delivered
 
@@ -91,13 +93,16 @@ def test_an_interrupted_next_loses_at_most_its_batch(window):
     of DataLoader's epoch, less at most batch K (lost with the call, as DataLoader
     loses it), none twice, and the next epoch is DataLoader's. Each batch is held
     while the next is fetched, as a `for` loop holds it, and all slots come back: a
-    slot lost on the way would be missed by the pool (a detach).
+    slot lost on the way would be missed by the pool (a detach), and DataLoader's
+    prefetch depth (num_workers × prefetch_factor requests out) holds after each next().
 
     Today's draws lose the batch after K too (the sampler's index, or the worker the
     round robin gave, went with the interrupt, so every later batch comes from the
-    other worker); an interrupt as _process_data is entered loses batch K's slot."""
+    other worker); an interrupt as _process_data is entered loses batch K's slot; one
+    as the refill is entered loses the refill: no batch (the sampler is drawn to its
+    end all the same), but one request fewer is out for the rest of the epoch."""
     data = ds.AugmentDataset(n=37, shape=(64,))
-    fired = []
+    fired, depths = [], []
 
     def run(loader):
         epochs = []
@@ -123,6 +128,9 @@ def test_an_interrupted_next_loses_at_most_its_batch(window):
                         sys.settrace(None)
                 got.append(batch)
                 k += 1
+                if isinstance(loader, PoolLoader) and not it._sampler_exhausted:
+                    # DataLoader's prefetch: num_workers × prefetch_factor requests out
+                    depths.append(it._slots_out() + len(it._held))
             del batch
             epochs.append(got)
             if isinstance(loader, PoolLoader):
@@ -140,6 +148,7 @@ def test_an_interrupted_next_loses_at_most_its_batch(window):
         data, batch_size=3, shuffle=True, num_workers=2, persistent_workers=True, timeout=30,
         generator=torch.Generator().manual_seed(7)), run)
     assert fired == [K], fired
+    assert depths and set(depths) == {2 * 2}, depths
     first, expected = got[0], ref[0]
     if len(first) == len(expected):  # the call was cut short before the batch left: none lost
         assert window == "process_data_entry"

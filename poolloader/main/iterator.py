@@ -540,8 +540,11 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         return self._stager.next(self._next_host)  # pinning, or device= one batch ahead
 
     def _refill(self, keep_error: bool = False) -> None:
+        """Send the request a delivered batch owes (DataLoader's _try_put_index after
+        each batch): _settle_delivery counted it owed, so an interrupt before it is
+        sent leaves it to the next call, never one request short for the epoch."""
         try:
-            self._try_put_index()
+            self._send_owed()
         except Exception as error:
             if not keep_error:
                 raise
@@ -691,6 +694,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         if idx == self._rcvd_idx:
             self._rcvd_idx = idx + 1
         self._workers_num_tasks[worker] -= 1
+        self._puts_owed += 1  # its refill (_refill), as DataLoader's _try_put_index
 
     # -- teardown ---------------------------------------------------------------------
     def _fail(self, error: BaseException) -> None:
