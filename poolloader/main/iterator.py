@@ -564,7 +564,8 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                 raise StopIteration
             raise RuntimeError(self._dead_message())
         ledger = self._ledger
-        self._settle_delivery()  # before any slot is reused: an interrupted delivery's
+        # an interrupted call's delivery and replies are settled before any slot is reused
+        self._settle_delivery()
         ledger.settle()
         if self._puts_owed or self._held:  # requests an earlier call could not send go first
             self._send_owed()
