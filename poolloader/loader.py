@@ -120,6 +120,8 @@ class PoolLoader(DataLoader[T_co]):
                   state_dict(); a follower's is tracked from the leader's
                   slots. A rank not in the list, or alone in it on its node,
                   loads as usual.
+    A copy (`copy.deepcopy`, `pickle`) of a node_pool or share_batches loader is an
+    ordinary PoolLoader with the same arguments: it joins no node pool or group.
     Nothing is created until the loader is iterated (with node_pool under torchrun,
     local rank 0 starts the node's processes as the loader is built). `stats` holds counters;
     `stats.advice()` reads them: which side is the bottleneck, what to change.
@@ -308,6 +310,17 @@ class PoolLoader(DataLoader[T_co]):
     def _take_resume_plan(self):
         plan, self._resume_plan = self._resume_plan, None
         return plan
+
+    def __getstate__(self) -> dict:
+        """`copy.deepcopy` and `pickle` give an ordinary PoolLoader with the same
+        arguments: the copy has no link to this loader's node pool or share_batches
+        group (sockets and processes of this process, which no copy can own). Its
+        `node_pool` and `share_batches` keep their values, so a framework that builds a
+        new loader from the arguments (Lightning) joins as this one did."""
+        state = self.__dict__.copy()
+        state["_node"] = None
+        state["_share"] = None
+        return state
 
     # HF Accelerate reads this attribute of every loader given to Accelerator.prepare()
     # and then rebuilds the loader as a plain DataLoader: the hooks of on_plain_rebuild

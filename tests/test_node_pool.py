@@ -135,9 +135,10 @@ def test_an_epoch_left_early_leaves_each_rank_where_its_dataloader_would(tmp_pat
 
 
 def test_an_interrupted_next_loses_its_batch_only(tmp_path):
-    """A KeyboardInterrupt as next() took its batch out of the reorder buffer, with one
-    request out a rank: as with DataLoader that batch is gone, and the rest of the epoch
-    still comes (the requests held past the share still go out)."""
+    """A KeyboardInterrupt as next() hands its batch from the reorder buffer to
+    _process_data, with one request out a rank: at most that batch is gone, as with
+    DataLoader, and the rest of the epoch still comes (the requests held past the share
+    still go out)."""
     results, codes, logs = _ranks(tmp_path, "interrupt", 2)
     assert codes == [0, 0], logs
     for r in results:

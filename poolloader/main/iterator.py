@@ -267,11 +267,15 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
             self._epoch += 1
         self._send_idx = 0
         self._rcvd_idx = 0
+        # (reorder-buffer index, slot) of the batch _process_data delivers, until settled
+        self._delivering: tuple[int, int] | None = None
         self._task_info = {}
         self._tasks_outstanding = 0
         self._workers_status = [True] * self._num_workers
         self._workers_num_tasks = [0] * self._num_workers
         self._worker_queue_idx_cycle = itertools.cycle(range(self._num_workers))
+        # (send index, workers the round robin gave its draw): kept across an interrupt
+        self._picking: tuple[int, list[int]] = (-1, [])
         self._sampler_exhausted = False
         self._puts_owed = 0  # _try_put_index calls not yet drawn (their draw raised)
         self._held: collections.deque = collections.deque()  # (index, worker, seed) not sent
@@ -289,6 +293,7 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
     def _reclaim_all(self) -> None:
         """Take back every slot of the previous epoch (persistent workers)."""
         ledger = self._ledger
+        self._settle_delivery()
         ledger.settle()
         self._resume.settle_handing()  # a staged batch's reply came before these
         told = []  # what the resume state learned: a share_batches group's followers too
@@ -395,23 +400,36 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         return len(self._ledger.inflight) + ready
 
     def _draw(self) -> None:
+        """Draw one owed request's index and worker, as DataLoader's _try_put_index does,
+        and hold them. A call an interrupt cuts short is redone by the next one with the
+        same index (the resume tracker keeps it under its send index) and the workers
+        the round robin already gave it (`_picking`), so nothing is skipped or moved."""
         max_tasks = self._prefetch_factor * self._num_workers
+        seq = self._send_idx + len(self._held)
         try:
             index = self._next_index()
         except StopIteration:
             self._sampler_exhausted = True
             self._puts_owed -= 1
             return
-        for _ in range(self._num_workers):
-            worker = next(self._worker_queue_idx_cycle)
+        if self._picking[0] != seq:
+            self._picking = (seq, [])
+        picked = self._picking[1]  # the round robin's workers for this draw, in order
+        k = 0
+        while True:
+            if k == len(picked):
+                if k == self._num_workers:
+                    self._puts_owed -= 1
+                    return
+                # taken from the round robin and recorded in one C-level call
+                picked.extend(itertools.islice(self._worker_queue_idx_cycle, 1))
+            worker = picked[k]
+            k += 1
             if self._workers_status[worker]:
                 if self._in_order:
                     break
                 if self._workers_num_tasks[worker] < max_tasks // sum(self._workers_status):
                     break
-        else:
-            self._puts_owed -= 1
-            return
         # drawn and counted as DataLoader counts it (the resume tracker has it under
         # the send index it will go with): held until sent, never dropped, with its
         # epoch's shared seed. The append is the only call: an interrupt (checked as a
@@ -530,8 +548,11 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         return self._stager.next(self._next_host)  # pinning, or device= one batch ahead
 
     def _refill(self, keep_error: bool = False) -> None:
+        """Send the request a delivered batch owes (DataLoader's _try_put_index after
+        each batch): _settle_delivery counted it owed, so an interrupt before it is
+        sent leaves it to the next call, never one request short for the epoch."""
         try:
-            self._try_put_index()
+            self._send_owed()
         except Exception as error:
             if not keep_error:
                 raise
@@ -551,7 +572,9 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                 raise StopIteration
             raise RuntimeError(self._dead_message())
         ledger = self._ledger
-        ledger.settle()  # before any slot is reused
+        # an interrupted call's delivery and replies are settled before any slot is reused
+        self._settle_delivery()
+        ledger.settle()
         if self._puts_owed or self._held:  # requests an earlier call could not send go first
             self._send_owed()
         while True:
@@ -576,9 +599,8 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                 raise StopIteration
 
             if len(self._task_info[self._rcvd_idx]) == 2:
-                worker_id, slot = self._task_info.pop(self._rcvd_idx)
-                self._rcvd_idx += 1
-                return self._process_data(slot, worker_id)
+                # READY: it leaves the reorder buffer once its decode holds the slot
+                return self._process_data(self._rcvd_idx)
 
             # Handling a popped reply (ledger.returned[0]): every step before the slot
             # leaves `inflight` can be redone by the next call after an interrupt;
@@ -596,9 +618,9 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
             if status == fmt.ST_END:
                 self._resume.seen(worker, idx, self._reply_record(slot))
                 del ledger.inflight[slot]
-                ledger.returned.popleft()
                 self._tasks_outstanding -= 1
-                ledger.give_back(slot)
+                ledger.give_back(slot)  # ledger.settle() drops the reply if an interrupt
+                ledger.returned.popleft()  # comes between these two
                 if self._workers_status[worker]:
                     self._workers_status[worker] = False
                     self._try_put_index()
@@ -606,21 +628,28 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
             if idx not in self._task_info:
                 # its worker ended before this task (iterable): nothing to deliver
                 del ledger.inflight[slot]
-                ledger.returned.popleft()
                 self._tasks_outstanding -= 1
-                ledger.give_back(slot)
+                ledger.give_back(slot)  # ledger.settle() drops the reply if an interrupt
+                ledger.returned.popleft()  # comes between these two
                 continue
             self._task_info[idx] = (worker, slot)  # READY: in the reorder buffer
             del ledger.inflight[slot]
-            ledger.returned.popleft()
             self._tasks_outstanding -= 1
+            ledger.returned.popleft()
             if idx != self._rcvd_idx and not self._in_order:
-                self._task_info.pop(idx)
-                return self._process_data(slot, worker)
+                return self._process_data(idx)
             # in order: delivered at the top of the loop once it is the next one
 
-    def _process_data(self, slot: int, worker: int):
-        self._workers_num_tasks[worker] -= 1
+    # torch's name, another signature: only this class's _next_host calls it
+    def _process_data(self, idx: int):  # type: ignore[override]
+        """Deliver batch `idx`, READY in the reorder buffer. Its entry stays there until
+        the decode's lease holds the slot (_settle_delivery), and every step before the
+        decode may run twice: an interrupt (KeyboardInterrupt, or any exception a signal
+        handler raises) before the decode leaves the batch to the next call, which
+        delivers it; one after it loses that batch, as DataLoader's next() would, and
+        the lease's death gives its slot back."""
+        worker, slot = self._task_info[idx]
+        self._delivering = (idx, slot)
         ledger = self._ledger
         header = ledger.header(slot)
         error = fmt.reply_is_error(header)
@@ -629,15 +658,14 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         if self._share is not None:
             try:  # the followers' holds are counted before the decode's lease can die
                 self._share.publish(self._share_epoch, self._pool, slot,
-                                    self._sent_indices.get(slot))
+                                    self._sent_indices.get(slot), idx)
             except BaseException as e:
                 self._fail(e)
                 raise
-        try:
+        try:  # renewed again, harmlessly, if the next call delivers it after all
             view = ledger.fresh_view(slot, header)  # share_batches: this rank's own
         except BaseException:
-            ledger.never_viewed(slot)
-            self._refill()
+            self._settle_delivery()  # not decoded: still READY, the next call's
             raise
         try:
             # from the lease's registration inside decode, the slot is the lease's:
@@ -647,8 +675,10 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                                          small_buffer=self._small_buffer)
             del _lease, view
         except BaseException:
+            self._settle_delivery()
             self._refill()
             raise
+        self._settle_delivery()
         # an error while refilling (the sampler, a request that cannot be pickled) must
         # not take this batch with it: it is raised by the next call instead
         self._refill(keep_error=True)
@@ -658,6 +688,27 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
                 raise SlotCorrupt(f"slot {slot} reports an error but carries {type(payload).__name__}")
             payload.reraise()
         return payload
+
+    def _settle_delivery(self) -> None:
+        """The end of _process_data, also for a call an interrupt cut short: once the
+        decode's lease holds the slot (it is in `ledger.leases` until a take() drains
+        it, so this runs before any), the batch leaves the reorder buffer; before, it
+        stays there and the next call delivers it."""
+        delivering = self._delivering
+        if delivering is None:
+            return
+        idx, slot = delivering
+        if slot not in self._ledger.leases.values():
+            self._delivering = None  # not decoded: still READY, delivered again
+            return
+        # no call from here on: no interrupt comes between these steps
+        worker = self._task_info[idx][0]
+        self._delivering = None
+        del self._task_info[idx]
+        if idx == self._rcvd_idx:
+            self._rcvd_idx = idx + 1
+        self._workers_num_tasks[worker] -= 1
+        self._puts_owed += 1  # its refill (_refill), as DataLoader's _try_put_index
 
     # -- teardown ---------------------------------------------------------------------
     def _fail(self, error: BaseException) -> None:

@@ -128,14 +128,6 @@ class SlotLedger:
         pool.renew_view(slot, fmt.DATA_OFF, fmt.reply_end(header, pool.size(slot)))
         return pool.view(slot)
 
-    def never_viewed(self, slot: int) -> None:
-        """A delivered slot whose decode failed before its lease was taken: back as
-        its lease's death would bring it (the followers may still hold it)."""
-        if slot in self.shared:
-            self.parked.add(slot)
-        else:
-            self._free_viewed(slot)
-
     def header(self, slot: int):
         mapping = self.pool.mappings[slot]
         cached = self._headers.get(slot)

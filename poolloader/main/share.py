@@ -66,7 +66,7 @@ from torch.utils.data import IterableDataset
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from poolloader.cuda import gate
-from poolloader.errors import WorkerDied, warn
+from poolloader.errors import StallWarning, WorkerDied, warn
 from poolloader.main import node, rendezvous
 from poolloader.main.share_cuda import FollowerCuda
 from poolloader.resume.tracker import IteratorSetup, ResumeTracker
@@ -176,6 +176,9 @@ class _Follower:
         self.pid = pid
         self.sent: dict[int, int] = {}  # slot -> the generation whose descriptor it has
         self.held: collections.Counter = collections.Counter()  # (pool, slot, generation) -> batches
+        self.last_epoch = 0  # the leader's epoch of the last batch sent to it
+        self.finished = 0  # the last epoch it said it finished (its sampler ran out)
+        self.said_bye = False  # it closed its loader (or its process exits normally)
 
 
 class ShareLeader(node.Users):
@@ -200,6 +203,7 @@ class ShareLeader(node.Users):
         self._pool_id = 0  # one per ledger: a late release of an older pool's slot is stale
         self._epoch = 0
         self._n = 0
+        self._published: tuple[int, int] | None = None  # (epoch, seq) published last
         self._ended = True
         self._listener = listener
         self._thread = threading.Thread(target=self._accept, name="poolloader-share-leader",
@@ -294,15 +298,18 @@ class ShareLeader(node.Users):
         self._ended = False
         return self._epoch
 
-    def publish(self, epoch: int, pool, slot: int, index) -> None:
-        """Hand `slot` (delivered now by the leader in its `epoch`, begin_epoch's) to
-        every follower; the ledger keeps the slot until each has dropped it. Before the
-        leader decodes it."""
+    def publish(self, epoch: int, pool, slot: int, index, seq: int) -> None:
+        """Hand `slot` (delivered now by the leader in its `epoch`, begin_epoch's, as its
+        batch `seq`) to every follower; the ledger keeps the slot until each has dropped
+        it. Before the leader decodes it. Once per batch: the leader's delivery that an
+        interrupt cut short after this returned publishes nothing when it is redone."""
         if epoch != self._epoch:
             raise RuntimeError(
                 f"PoolLoader(share_batches=...): rank {self.rank} iterates this loader "
                 "with two iterators at once (an older one resumed after a newer one began "
                 "its epoch); a share_batches loader has one live iterator: drop the old one")
+        if self._published == (epoch, seq):
+            return
         if self._n == 0:
             self._wait_joined()
         self.collect()
@@ -312,7 +319,7 @@ class ShareLeader(node.Users):
         if len(body) > _MAX_MESSAGE:
             raise ValueError(f"PoolLoader(share_batches=...): a batch's sample indices take "
                              f"{len(body)} bytes pickled, more than {_MAX_MESSAGE}")
-        self._n += 1
+        self._published, self._n = (epoch, seq), self._n + 1  # together: no call between
         for f in list(self._followers):
             try:
                 if f.sent.get(slot) != generation:
@@ -326,6 +333,7 @@ class ShareLeader(node.Users):
                 self._gone(f)
                 continue
             f.held[key] += 1
+            f.last_epoch = self._epoch
             self.ledger.share_out(slot, generation)
 
     def _stuck(self, f: _Follower) -> RuntimeError:
@@ -379,32 +387,54 @@ class ShareLeader(node.Users):
                 self._gone(f)
 
     def collect(self) -> None:
-        """Take in every release the followers sent (never waits)."""
+        """Take in every message the followers sent (never waits): releases, and the
+        ends of their epochs and loaders."""
         for f in list(self._followers):
-            while True:
-                try:
-                    data = f.sock.recv(_MAX_MESSAGE, socket.MSG_DONTWAIT)
-                except BlockingIOError:
-                    break
-                except OSError:
-                    data = b""
-                if not data:
-                    self._gone(f)
-                    break
-                for key, forked in pickle.loads(data)[1]:
-                    key = tuple(key)
-                    if f.held[key] > 0:  # else a stale pool's, or no batch it had
-                        f.held[key] -= 1
-                        if forked:  # a child of the follower may still read it
-                            self.ledger.share_abandon(key[1], key[2])
-                        else:
-                            self.ledger.share_back(key[1], key[2])
+            if not self._read(f):
+                self._gone(f)
+
+    def _read(self, f: _Follower) -> bool:
+        """Take in what `f` sent, without waiting; False once its socket closed."""
+        while True:
+            try:
+                data = f.sock.recv(_MAX_MESSAGE, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return True
+            except OSError:
+                data = b""
+            if not data:
+                return False
+            message = pickle.loads(data)
+            if message[0] == "finished":
+                f.finished = max(f.finished, message[1])
+                continue
+            if message[0] == "bye":
+                f.said_bye = True
+                continue
+            for key, forked in message[1]:
+                key = tuple(key)
+                if f.held[key] > 0:  # else a stale pool's, or no batch it had
+                    f.held[key] -= 1
+                    if forked:  # a child of the follower may still read it
+                        self.ledger.share_abandon(key[1], key[2])
+                    else:
+                        self.ledger.share_back(key[1], key[2])
 
     def _gone(self, f: _Follower) -> None:
+        """`f`'s socket closed. A warning only if it left while this rank's epoch still
+        counts on it: it died (it closed without a word: killed, or its process ended
+        without running finalisers), or it closed its loader in the middle of an epoch
+        this rank is still in, having taken some of its batches and not finished it.
+        A follower that finished its last epoch (or had not begun this one) and then
+        closed its loader or exited, leaves quietly, whatever batch it still held."""
         with self._lock:
             if f not in self._followers:
                 return
             self._followers.remove(f)
+        try:
+            self._read(f)  # what it said before it closed (its releases, "finished", "bye")
+        except Exception:
+            pass
         rendezvous.close_socket(f.sock)
         if self.ledger is not None:
             # its batches may outlive its socket (a batch still viewed after its loader
@@ -412,9 +442,12 @@ class ShareLeader(node.Users):
             for (_pool, slot, generation), count in f.held.items():
                 if count > 0:
                     self.ledger.share_abandon(slot, generation)
-        if not self._closed:
+        mid_epoch = not self._ended and f.last_epoch == self._epoch and f.finished < self._epoch
+        if not self._closed and (not f.said_bye or mid_epoch):
+            how = "exited or closed its loader" if not f.said_bye else \
+                f"closed its loader during epoch {self._epoch}, before its end"
             warn(f"PoolLoader(share_batches=...): rank {f.rank} (pid {f.pid}), which shared "
-                 f"rank {self.rank}'s batches, left (exited or closed its loader); this rank "
+                 f"rank {self.rank}'s batches, left ({how}); this rank "
                  "goes on without it (the slots it held get new segments when needed)")
 
     def close(self) -> None:
@@ -438,6 +471,7 @@ class ShareFollower(node.Users):
         self.leader = leader
         self.rank = rank
         self._timeout = loader.timeout
+        self._stall_warning = loader.stall_warning
         self._sock: socket.socket | None = None
         # (pool id, slot) -> (generation, this rank's private view, the shared mapping
         # when the view is registered with CUDA, else None) of the leader's segments
@@ -450,6 +484,9 @@ class ShareFollower(node.Users):
         self._released: collections.deque = collections.deque()
         self.on_release = self._released.append
         self._early: tuple | None = None  # a later epoch's message, read while this one ran
+        # (epoch, n, mapping, key, indices) of the batch receive() returned last, until
+        # its decode's lease holds it (settle): an interrupt between the two leaves it here
+        self._handed: tuple | None = None
         self._epoch = 0
         deadline = time.monotonic() + timeout
         what = f"PoolLoader(share_batches=...) on rank {rank}"
@@ -505,6 +542,7 @@ class ShareFollower(node.Users):
     def flush(self) -> None:
         """Tell the leader which batches this rank dropped: on CUDA, only once the copies
         this rank queued from them have finished (FollowerCuda)."""
+        self._settle(None)  # before the releases below: its lease may be among them
         cuda = self.cuda
         if self._sock is None or not self._released and (
                 cuda is None or cuda.gate is None or not cuda.gate.pending):
@@ -529,9 +567,11 @@ class ShareFollower(node.Users):
             except OSError:
                 pass  # the leader is gone: the next receive says so
 
-    def _recv(self):
+    def _recv(self, what: str = "a message"):
         """The next message from the leader, and its descriptors; waits as DataLoader's
-        next() does (timeout=, else as long as the leader lives and says nothing)."""
+        next() does (timeout=, else as long as the leader lives and says nothing), with
+        a StallWarning once per wait that lasts `stall_warning` s (`what`: what it
+        waits for, for that warning)."""
         if self._early is not None:
             early, self._early = self._early, None
             return early
@@ -539,12 +579,17 @@ class ShareFollower(node.Users):
         if sock is None:
             raise RuntimeError("PoolLoader(share_batches=...): this loader was closed")
         started = time.monotonic()
+        warn_at = None if self._stall_warning is None else started + self._stall_warning
         while True:
-            if rendezvous.wait_readable(sock, 1.0):
+            tick = 1.0 if warn_at is None else min(1.0, max(0.0, warn_at - time.monotonic()))
+            if rendezvous.wait_readable(sock, tick):
                 break
             if self._timeout and time.monotonic() - started > self._timeout:
                 raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds "
                                    f"(waiting for rank {self.leader}'s shared batch)")
+            if warn_at is not None and time.monotonic() >= warn_at:
+                warn_at = None  # once per stall: the next wait that stalls warns again
+                self._warn_stall(time.monotonic() - started, what)
         try:
             with fork.creating():  # a fork from another thread never inherits these
                 data, fds, _flags, _addr = socket.recv_fds(sock, _MAX_MESSAGE, 1)
@@ -558,13 +603,88 @@ class ShareFollower(node.Users):
                              "exited or closed its loader")
         return pickle.loads(data), fds
 
+    def _settle(self, wanted: tuple[int, int] | None) -> tuple | None:
+        """The batch receive() returned last, if it is (epoch, n) `wanted` and was not
+        decoded (an interrupt came between the two: the iterator asks for it again).
+        Otherwise it is done with once decoded (its lease holds it), or, when another
+        batch is `wanted`, lost with the interrupted next() (given back, as its holder);
+        `wanted` None: kept until the next receive()."""
+        handed = self._handed
+        if handed is None:
+            return None
+        key = handed[3]
+        if key in self.leases.values():  # decoded: until flush() takes the lease out
+            self._handed = None
+            return None
+        if wanted is None or handed[:2] == wanted:
+            return handed
+        self._handed = None
+        self._send_back(key)
+        return None
+
+    def _warn_stall(self, waited: float, what: str) -> None:
+        warn(StallWarning(
+            f"PoolLoader(share_batches=...): next() on rank {self.rank} has waited "
+            f"{waited:.1f} s for {what} from rank {self.leader} (pid {self.leader_pid}), "
+            "whose workers make the batches this rank shares, and goes on waiting "
+            f"(timeout={self._timeout}; this warning: stall_warning={self._stall_warning}, "
+            f"None turns it off). Rank {self.leader} may be stuck, or not iterating this "
+            "loader: its own stall warning names the worker that owes a batch"), StallWarning)
+
+    def finished(self, epoch: int) -> None:
+        """This rank's sampler ran out in `epoch`: its leader need not count on it in
+        that epoch any more (a later close is a normal end: ShareLeader._gone)."""
+        self._tell(("finished", epoch))
+
+    def _tell(self, message) -> None:
+        if self._sock is None:
+            return
+        try:
+            self._sock.send(_pack(message), socket.MSG_DONTWAIT)
+        except OSError:
+            pass  # the leader is gone (the next receive says so), or its socket is full
+
     def receive(self, epoch: int, n: int, index, tracker):
         """(view, source, key) of this epoch's batch `n`, whose indices must be
         `index`: the view (this rank's private mapping of the slot) to decode it from,
         renewed for it, and the mapping to read its header and resume record from;
-        `tracker` (the iterator's ResumeTracker) learns what the leader's learned."""
+        `tracker` (the iterator's ResumeTracker) learns what the leader's learned. The
+        caller decodes it (its lease in `leases`, keyed by `key`) or asks for the same
+        (epoch, n) again; anything else gives it back."""
+        handed = self._settle((epoch, n))
+        if handed is None:
+            handed = self._next_batch(epoch, n, tracker)
+        _epoch, _n, have, key, theirs = handed
+        if _by_value(theirs) != _by_value(index):
+            self._handed = None
+            self._send_back(key)
+            raise ValueError(
+                f"PoolLoader(share_batches=...): batch {n} of rank {self.leader} holds the "
+                f"samples {_short(theirs)}, but this rank {self.rank}'s sampler gives "
+                f"{_short(index)}: the ranks of a share_batches group must consume identical "
+                "batches (the same sampler, seed and arguments: e.g. DistributedSampler("
+                "num_replicas=, rank=) set to the group's data-parallel rank, not the "
+                "global one)")
+        _, view, shared = have
+        try:
+            if self.cuda is not None:
+                self.cuda.register(view, key[1])  # the first batch in it only
+            # this rank's batches in the view are gone (the leader reuses a slot only
+            # once every rank dropped its batch), so its copied pages go: the view
+            # shows the leader's workers' new batch (again, harmlessly, for a retry)
+            source = shared if shared is not None else view
+            renew(view, shared, fmt.DATA_OFF,
+                  fmt.reply_end(fmt.header_view(source), view.size))
+        except BaseException:
+            self._handed = None
+            self._send_back(key)
+            raise
+        return view, source, key
+
+    def _next_batch(self, epoch: int, n: int, tracker) -> tuple:
+        """Read the leader's messages up to this epoch's batch `n`; it is `_handed`."""
         while True:
-            message, fds = self._recv()
+            message, fds = self._recv(f"batch {n} of epoch {epoch}")
             kind = message[0]
             if kind == "seen" and message[1] <= epoch:
                 # also an earlier epoch's: this rank read no batch since (each follows
@@ -609,29 +729,8 @@ class ShareFollower(node.Users):
                 raise RuntimeError(f"internal error: rank {self.rank} got batch {k} (slot {slot}, "
                                    f"generation {generation}) from rank {self.leader}, "
                                    f"expecting batch {n}")
-            if _by_value(theirs) != _by_value(index):
-                self._send_back(key)
-                raise ValueError(
-                    f"PoolLoader(share_batches=...): batch {n} of rank {self.leader} holds the "
-                    f"samples {_short(theirs)}, but this rank {self.rank}'s sampler gives "
-                    f"{_short(index)}: the ranks of a share_batches group must consume identical "
-                    "batches (the same sampler, seed and arguments: e.g. DistributedSampler("
-                    "num_replicas=, rank=) set to the group's data-parallel rank, not the "
-                    "global one)")
-            _, view, shared = have
-            try:
-                if self.cuda is not None:
-                    self.cuda.register(view, slot)  # the first batch in it only
-                # this rank's batches in the view are gone (the leader reuses a slot only
-                # once every rank dropped its batch), so its copied pages go: the view
-                # shows the leader's workers' new batch
-                source = shared if shared is not None else view
-                renew(view, shared, fmt.DATA_OFF,
-                      fmt.reply_end(fmt.header_view(source), view.size))
-            except BaseException:
-                self._send_back(key)
-                raise
-            return view, source, key
+            self._handed = (epoch, n, have, key, theirs)
+            return self._handed
 
     def _map(self, fd: int, size: int) -> tuple[Mapping, Mapping | None]:
         """(this rank's private view of the leader's segment `fd`, the segment's shared
@@ -660,7 +759,11 @@ class ShareFollower(node.Users):
             pass
 
     def close(self) -> None:
+        """Also from a finaliser (the loader collected, or the process exiting): says
+        goodbye first, so the leader knows this is no death."""
+        self._tell(("bye",))
         sock, self._sock = self._sock, None
+        self._handed = None  # the socket's close gives back what this rank held
         rendezvous.close_socket(sock)
         cuda, self.cuda = self.cuda, None
         if cuda is not None:
@@ -733,6 +836,7 @@ class FollowerIter(_BaseDataLoaderIter):
             data = super().__next__()
         except StopIteration:
             self._resume.finish()
+            self._link.finished(self._epoch)
             raise
         except BaseException:
             self._resume.raised(staged=self._stager is not None)

@@ -12,6 +12,7 @@ them on itself.
 from __future__ import annotations
 
 import collections
+import itertools
 import weakref
 from collections.abc import Iterator
 from typing import NamedTuple
@@ -169,6 +170,8 @@ class ResumeTracker:
         self.delivered: list = [None] * n    # Position after each worker's last delivered batch
         self.latest: list = [(-1, b) for b in self.epoch_blob]  # (seq, Position) of its newest reply
         self.sent: dict = {}     # seq -> index, sent and not yet recorded (replays after a snapshot)
+        self._drawing: tuple[int, bool] = (-1, False)  # (seq, from the replay) of the last draw
+        self._counted = -1       # the last seq whose draw was counted (next_index)
         # (worker, seq, record, error): taken from a worker, not yet handed to the caller
         self.handing: collections.deque[tuple[int, int, bytes | None, bool]] = collections.deque()
         self.position = 0        # sampler items consumed by the batches handed over (in order)
@@ -250,26 +253,46 @@ class ResumeTracker:
 
     # -- per batch -------------------------------------------------------------
     def next_index(self, sampler_iter, seq: int):
-        """The iterator's _next_index: replayed batches first (in_order=False), then
-        the sampler; a stateful sampler's state is kept per draw."""
-        if self.replay:
-            index = self.replay.popleft()
-        else:
-            index = next(sampler_iter)  # may raise StopIteration
-            self.draws += 1
-            if self.sampler_stateful:
+        """The iterator's _next_index for the request it will send as `seq`: replayed
+        batches first (in_order=False), then the sampler; a stateful sampler's state is
+        kept per draw.
+
+        Interrupts (KeyboardInterrupt, or any exception a signal handler raises) come
+        as a call returns, so an index returned to a caller can be lost with it: the
+        draw records its index under `seq` in the same C-level call that takes it,
+        and a second call for the same `seq` (the caller's retry) returns that index
+        again instead of drawing another; what the draw counts is counted once."""
+        sent = self.sent
+        if seq not in sent:
+            if self.replay:
+                self._drawing = (seq, True)
+                sent.update(zip((seq,), itertools.starmap(self.replay.popleft, ((),))))
+            else:
+                self._drawing = (seq, False)
+                sent.update(zip((seq,), itertools.islice(sampler_iter, 1)))
+                if seq not in sent:
+                    raise StopIteration
+        index = sent[seq]
+        if self._counted != seq:
+            self._counted = seq  # with the steps up to the first call: no interrupt between
+            replayed = self._drawing[0] == seq and self._drawing[1]
+            if not replayed:
+                self.draws += 1
+            if not self.in_order:
+                self.pending[seq] = index
+            if not replayed and self.sampler_stateful:
                 snapshots = self.snapshots
                 snapshots.append((self.draws, self._sampler_states(sampler_iter)))
                 while len(snapshots) > 1 and snapshots[1][0] <= self.position:
                     snapshots.popleft()
-        if not self.in_order:
-            self.pending[seq] = index
-        self.sent[seq] = index
         return index
 
     def received(self, worker: int, seq: int, blob: bytes | None, error: bool) -> None:
-        """A reply main took (decoded, or about to raise): handed over at commit()."""
-        self.handing.append((worker, seq, blob, error))
+        """A reply main took (decoded, or about to raise): handed over at commit().
+        Once: a delivery an interrupt cut short before its decode is taken again."""
+        handing = self.handing
+        if not handing or handing[-1][1] != seq:
+            handing.append((worker, seq, blob, error))
 
     def commit(self) -> None:
         """The iterator handed one batch (or its error) to the caller."""
