@@ -191,10 +191,7 @@ class Replies:
             return self.returned[0]
         got = self._poll()
         if not got:
-            # Rings found on a poll leave their doorbell tokens behind; drop them,
-            # then poll once more, so the wait below sleeps instead of spinning.
-            while self._doorbell.wait(0.0):
-                pass
+            self._doorbell.drain()  # the tokens of replies earlier polls took
             got = self._poll()
         if got:
             return self.returned[0]

@@ -282,3 +282,12 @@ cdef class Doorbell(_Shared):
                     return False
                 continue
             raise OSError(-rc, "doorbell wait failed")
+
+    def drain(self):
+        """Drop every token rung so far and return how many: a consumer whose poll
+        found nothing drains the tokens of what earlier polls took, then polls once
+        more, so its next wait sleeps instead of waking at once for each of them."""
+        cdef Py_ssize_t n = 0
+        while self.wait(0.0):
+            n += 1
+        return n

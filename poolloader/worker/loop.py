@@ -331,13 +331,22 @@ def _own_copies(cfgs: tuple[WorkerConfig, ...]) -> list[BaseException | None]:
     return errors
 
 
-def _poll(workers: list[LogicalWorker], start: int) -> tuple[int, int] | None:
-    """(position in `workers`, slot) of the first pending request, looking from
-    `start` round robin; None if none is pending. Raises RingClosed (shutdown)."""
-    n = len(workers)
+def first_request(entries: list, start: int, ring_of=lambda lw: lw.request_ring,
+                  closed_ok: bool = False) -> tuple[int, int | None] | None:
+    """(position in `entries`, slot) of the first pending request on their request
+    rings (`ring_of(entry)`), looking from `start` round robin; None if none is pending.
+    A closed ring raises RingClosed (shutdown), or with `closed_ok` gives (its
+    position, None). The one round robin of a process serving several logical workers
+    (here, and a node pool's process: poolloader.worker.node)."""
+    n = len(entries)
     for k in range(n):
         i = (start + k) % n
-        slot = workers[i].request_ring.try_pop()
+        try:
+            slot = ring_of(entries[i]).try_pop()
+        except RingClosed:
+            if not closed_ok:
+                raise
+            return i, None
         if slot is not None:
             return i, slot
     return None
@@ -377,13 +386,10 @@ def worker_loop(cfg: WorkerConfig, *hosted: WorkerConfig) -> None:
                 if only is not None:
                     lw, slot = only, only.request_ring.pop(timeout=WORKER_TICK)
                 else:
-                    got = _poll(workers, start)
+                    got = first_request(workers, start)
                     if got is None:
-                        # tokens of requests found on a poll are left on the bell; drop
-                        # them, then look once more, so the wait below sleeps
-                        while bell.wait(0.0):  # type: ignore[union-attr]
-                            pass
-                        got = _poll(workers, start)
+                        bell.drain()  # type: ignore[union-attr]
+                        got = first_request(workers, start)
                     if got is None:
                         if not bell.wait(WORKER_TICK):  # type: ignore[union-attr]
                             raise RingTimeout("no request within the tick")

@@ -30,6 +30,7 @@ from poolloader.worker.loop import (
     WORKER_TICK,
     LogicalWorker,
     WorkerConfig,
+    first_request,
     forget_worker_info,
     prepare_process,
     serve_request,
@@ -88,19 +89,8 @@ class _HostProbe:
         return self._node.host_alive()
 
 
-def _poll(entries: list, start: int) -> tuple[int, int | None] | None:
-    """(position in `entries`, slot) of the first pending request from `start` round
-    robin; (position, None) for a worker whose ring is closed; None if none is pending."""
-    n = len(entries)
-    for k in range(n):
-        i = (start + k) % n
-        try:
-            slot = entries[i][1].request_ring.try_pop()
-        except RingClosed:
-            return i, None
-        if slot is not None:
-            return i, slot
-    return None
+def _entry_ring(entry):
+    return entry[1].request_ring
 
 
 def _rank_gone(cfg: WorkerConfig) -> bool:
@@ -220,13 +210,9 @@ def node_loop(p: int, node_locator: tuple, commands) -> None:
                     return
                 served.check()
                 stall.check_handler()
-            found = _poll(served.entries, served.start)
+            found = first_request(served.entries, served.start, _entry_ring, closed_ok=True)
             if found is None:
-                # tokens of requests found on a poll are left on the bell: drop them,
-                # then look again, so that the wait sleeps
-                if bell.wait(0.0):
-                    while bell.wait(0.0):
-                        pass
+                if bell.drain():  # the tokens of requests earlier polls took: look again
                     continue
                 bell.wait(WORKER_TICK)
                 continue
