@@ -222,8 +222,8 @@ class PoolLoader(DataLoader[T_co]):
             it = SingleProcessIter(self, self._take_resume_plan())
             self._resume_tracker = it
             return it
+        from poolloader.main.follower_iter import FollowerIter
         from poolloader.main.iterator import PoolLoaderIter
-        from poolloader.main.share import FollowerIter
         from poolloader.resume.tracker import continues_epoch
         follower = getattr(self._share, "role", None) == "follower"
         if not follower:

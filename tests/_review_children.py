@@ -38,8 +38,8 @@ from torch.utils.data import DataLoader
 
 from poolloader import PoolLoader
 from poolloader.errors import StallWarning
+from poolloader.main.follower_iter import FollowerIter
 from poolloader.main.iterator import PoolLoaderIter
-from poolloader.main.share import FollowerIter
 
 CASE, OUT, ARG = nc.CASE, nc.OUT, nc.ARG
 K = 2  # the next() interrupted (0-based)

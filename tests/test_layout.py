@@ -58,7 +58,7 @@ ALLOWED_READS = {
     ("poolloader.resume.keys", "loader._index_sampler"):
         "DataLoader's property, the sampler an epoch draws from (batch_sampler or "
         "sampler): torch's own iterators read it so, and it has no public name",
-    ("poolloader.main.node", "dist.distributed_c10d._get_default_store"):
+    ("poolloader.main.rendezvous", "dist.distributed_c10d._get_default_store"):
         "the initialised default process group's store, where a node pool started "
         "without torchrun (mp.spawn) finds its local ranks with a bounded wait: torch "
         "has no public getter for it, and a collective would wait unbounded",

@@ -130,30 +130,7 @@ class NodeProcess:
                    "num_workers=0 to see the error in the main process."))
 
 
-class Users:
-    """Closed with its last user: this rank's loader and its live iterators (an
-    iterator can outlive its loader), each counted by `acquire` and `release`."""
-
-    _users = 0
-    _users_lock = threading.Lock()
-
-    def close(self) -> None:
-        raise NotImplementedError
-
-    def acquire(self) -> None:
-        """One more user here (the loader, an iterator); `release` when it is gone."""
-        with self._users_lock:
-            self._users += 1
-
-    def release(self) -> None:
-        with self._users_lock:
-            self._users -= 1
-            last = self._users == 0
-        if last:
-            self.close()
-
-
-class _Node(Users):
+class _Node(rendezvous.Users):
     """What host and client share: the segment, the processes, the placement."""
 
     segment: NodeSegment

@@ -37,6 +37,7 @@ import secrets
 import select
 import socket
 import struct
+import threading
 import time
 import typing
 from typing import NamedTuple
@@ -172,6 +173,29 @@ def rendezvous_timeout() -> float:
         return float(value)
     except ValueError:
         raise ValueError(f"{TIMEOUT_ENV}={value!r}: a number of seconds") from None
+
+
+class Users:
+    """Closed with its last user: this rank's loader and its live iterators (an
+    iterator can outlive its loader), each counted by `acquire` and `release`."""
+
+    _users = 0
+    _users_lock = threading.Lock()
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def acquire(self) -> None:
+        """One more user here (the loader, an iterator); `release` when it is gone."""
+        with self._users_lock:
+            self._users += 1
+
+    def release(self) -> None:
+        with self._users_lock:
+            self._users -= 1
+            last = self._users == 0
+        if last:
+            self.close()
 
 
 # -- where a loader is built --------------------------------------------------------------
