@@ -40,8 +40,11 @@ from poolloader.cuda import gate
 from poolloader.errors import ControlCorrupt, SlotCorrupt, WorkerDied
 from poolloader.main import stall, startup, supervise
 from poolloader.main.ledger import SlotLedger, plan_sizes
+from poolloader.main.requests import RequestScheduling
 from poolloader.main.share import SHARE_SLACK
 from poolloader.main.stats import LoaderStats
+from poolloader.main.teardown import IteratorTeardown
+from poolloader.main.tracked import TrackedNext
 from poolloader.resume.tracker import IteratorSetup, ResumeTracker
 from poolloader.shm.control import hosted_by
 from poolloader.shm.pool import SlotPool
@@ -72,7 +75,8 @@ def _stall_reporter(workers, pool: SlotPool, ledger: SlotLedger, sent: dict):
     return report
 
 
-class PoolLoaderIter(_MultiProcessingDataLoaderIter):
+class PoolLoaderIter(TrackedNext, RequestScheduling, IteratorTeardown,
+                     _MultiProcessingDataLoaderIter):
     """Frameworks recognise DataLoader's multi-process iterator by class (Lightning
     shuts its workers down only if isinstance(it, _MultiProcessingDataLoaderIter)),
     so this is one; its queue-based __init__ is skipped and every method that
@@ -338,20 +342,12 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         # the send index it will go with: the requests held before it go first
         return self._resume.next_index(self._sampler_iter, self._send_idx + len(self._held))
 
-    def __next__(self):
-        entered, waited = time.perf_counter(), self._stats.main_wait_s
-        try:
-            data = super().__next__()
-        except StopIteration:
-            self._resume.finish()
-            raise
-        except BaseException:
-            self._resume.raised(staged=self._stager is not None)
-            raise
-        self._resume.commit()
-        self._last_delivery = self._stats.count_delivery(entered, waited, self._last_delivery,
+    def _entering(self) -> tuple[float, float]:  # TrackedNext
+        return time.perf_counter(), self._stats.main_wait_s
+
+    def _delivered(self, mark: tuple[float, float]) -> None:  # TrackedNext
+        self._last_delivery = self._stats.count_delivery(*mark, self._last_delivery,
                                                          self._epoch_started)
-        return data
 
     def _reply_record(self, slot: int) -> bytes | None:
         """The resume record a returned slot carries (copied out)."""
@@ -360,154 +356,6 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
             return fmt.reply_state(ledger.mapping(slot), ledger.header(slot)) or None
         except SlotCorrupt as e:
             self._fail(e)
-            raise
-
-    # -- requests --------------------------------------------------------------
-    def _try_put_index(self) -> None:
-        """DataLoader's _try_put_index, call for call: each call draws its index and
-        picks its worker now, as DataLoader's does, and sends them when it can. A draw
-        that raises (the sampler's error) stays owed, drawn first by the next call (or
-        next()); a send that raises (no shared memory for a slot, an index that cannot
-        be pickled) keeps its index and worker held, sent first by the next call; so no
-        index is lost and the prefetch depth comes back. An iterator with a cap (a node
-        pool rank's share of the node's requests: poolloader.main.node) holds the
-        requests past it until a batch is delivered; they go in the order drawn."""
-        self._puts_owed += 1
-        self._send_owed()
-
-    def _send_owed(self) -> None:
-        while self._puts_owed:
-            self._draw()  # raises: still owed; each call that returns paid one
-        self._send_held()
-
-    def _send_held(self) -> None:
-        held, cap = self._held, self._cap
-        while held and (cap is None or self._slots_out() < cap):
-            index, worker, seed = held[0]
-            if self._workers_status[worker]:
-                self._send(index, worker, seed)  # raises: still held
-            else:
-                # its worker ended meanwhile (iterable): DataLoader would have sent it
-                # there (its send index taken), and nothing would have come of it
-                self._send_idx += 1
-                held.popleft()  # last: an interrupt comes after a call, never inside this pair
-
-    def _slots_out(self) -> int:
-        """The slots the requests hold until delivered, which the cap counts: in flight
-        (an earlier epoch's too, while _reclaim_all takes them back) or READY. Counted
-        afresh (at most the cap's entries), so no interrupt can leave a count behind."""
-        ready = sum(len(info) == 2 for info in self._task_info.values())
-        return len(self._ledger.inflight) + ready
-
-    def _draw(self) -> None:
-        """Draw one owed request's index and worker, as DataLoader's _try_put_index does,
-        and hold them. A call an interrupt cuts short is redone by the next one with the
-        same index (the resume tracker keeps it under its send index) and the workers
-        the round robin already gave it (`_picking`), so nothing is skipped or moved."""
-        max_tasks = self._prefetch_factor * self._num_workers
-        seq = self._send_idx + len(self._held)
-        try:
-            index = self._next_index()
-        except StopIteration:
-            self._sampler_exhausted = True
-            self._puts_owed -= 1
-            return
-        if self._picking[0] != seq:
-            self._picking = (seq, [])
-        picked = self._picking[1]  # the round robin's workers for this draw, in order
-        k = 0
-        while True:
-            if k == len(picked):
-                if k == self._num_workers:
-                    self._puts_owed -= 1
-                    return
-                # taken from the round robin and recorded in one C-level call
-                picked.extend(itertools.islice(self._worker_queue_idx_cycle, 1))
-            worker = picked[k]
-            k += 1
-            if self._workers_status[worker]:
-                if self._in_order:
-                    break
-                if self._workers_num_tasks[worker] < max_tasks // sum(self._workers_status):
-                    break
-        # drawn and counted as DataLoader counts it (the resume tracker has it under
-        # the send index it will go with): held until sent, never dropped, with its
-        # epoch's shared seed. The append is the only call: an interrupt (checked as a
-        # call returns) comes before all three steps or after them
-        self._workers_num_tasks[worker] += 1
-        self._puts_owed -= 1
-        self._held.append((index, worker, self._shared_seed))
-
-    def _send(self, index, worker: int, seed) -> None:
-        """Write and push the first held request. Everything it records is recorded
-        before the push, and the push marks itself in the same C call
-        (SlotLedger.push): an exception before the push (no space, an index that
-        cannot be pickled, an interrupt) undoes all of it, keeping the request held
-        for the retry; one after the push (a signal handler's) leaves it sent, once."""
-        ledger = self._ledger
-        seq, outstanding, held = self._send_idx, self._tasks_outstanding, self._held
-        request_held = held[0]
-        ring = self._request_rings[worker]
-        pushed: list = []
-        try:
-            request = fmt.encode_request(index, self._int_list_requests)
-            if self._share is not None:
-                self._share.collect()  # the followers' releases: slots take() may reuse
-            slot = ledger.take(fmt.request_slot_bytes(request))
-            fmt.write_request(ledger.mapping(slot), ledger.header(slot), seq,
-                              self._epoch, worker, request, seed)
-            ledger.inflight[slot] = (seq, worker)
-            self._sent_indices[slot] = index
-            self._task_info[seq] = (worker,)
-            self._tasks_outstanding = outstanding + 1
-            self._send_idx = seq + 1
-            held.popleft()
-            ledger.push(ring, slot, pushed)
-            if not pushed[0]:
-                raise SlotCorrupt(f"internal error: the request ring of worker {worker} is "
-                                  f"full ({ring.capacity} cells, one per slot)")
-            if self._request_bells is not None:
-                self._request_bells[worker].ring()
-        except BaseException as e:
-            if pushed and pushed[0]:
-                ledger.taking = None
-                raise  # the request went out: an exception after the push keeps it
-            taken = ledger.taking
-            if taken is not None:
-                ledger.inflight.pop(taken, None)
-                self._sent_indices.pop(taken, None)
-            ledger.put_back()
-            self._task_info.pop(seq, None)
-            self._tasks_outstanding = outstanding
-            self._send_idx = seq
-            if not held or held[0] is not request_held:
-                held.appendleft(request_held)
-            if isinstance(e, ControlCorrupt) or pushed:  # a broken ring, or a full one
-                self._fail(e)
-            raise
-        ledger.taking = None
-
-    def _grow_and_resend(self, slot: int) -> None:
-        """`slot` is ledger.returned[0] with a request to grow: a bigger segment, then
-        back to its worker, which holds the batch for it."""
-        ledger = self._ledger
-        seq, worker = ledger.inflight[slot]
-        pushed: list = []
-        try:
-            ledger.grow(slot, fmt.needed_bytes(ledger.header(slot)), worker)
-            fmt.stamp(ledger.header(slot), seq, self._epoch, worker)
-            ledger.returned.popleft()
-            ledger.push(self._request_rings[worker], slot, pushed)
-            if not pushed[0]:
-                raise SlotCorrupt(f"internal error: the request ring of worker {worker} is full")
-            if self._request_bells is not None:
-                self._request_bells[worker].ring()
-        except BaseException as e:
-            if not (pushed and pushed[0]):
-                # the worker holds the batch and waits for this slot, which did not
-                # go back: nothing can continue, so stop everything (a clear error
-                # from then on) rather than wait for it forever
-                self._fail(e)
             raise
 
     # -- waiting -------------------------------------------------------------------
@@ -716,107 +564,3 @@ class PoolLoaderIter(_MultiProcessingDataLoaderIter):
         if self._share is not None:
             self._share.fail(self._share_epoch, self._fatal)
         self._shutdown_workers()
-
-    # The teardown steps, in order (methods below).
-    _TEARDOWN = ("_note_memory", "_close_requests", "_stop_workers", "_close_shared_start",
-                 "_close_replies", "_close_stager", "_end_share", "_close_ledger",
-                 "_detach_stats", "_close_pool", "_untrack", "_leave_node")
-
-    def _shutdown_workers(self) -> None:
-        """The one place that stops everything, in order: close the request rings
-        (wakes and ends every worker) → the ladder → unlink every name and drop the
-        mappings. Idempotent; does nothing in a forked child.
-
-        Each step runs in its own try: one that raises (a second Ctrl-C during the
-        join) does not keep the later ones from running, and the first error is raised
-        at the end. A step is recorded as done only once it returned, so a later call
-        (atexit, __del__) runs only what is left."""
-        if os.getpid() != self._owner_pid:
-            return
-        self._shutdown = True
-        error: BaseException | None = None
-        for step in self._teardown_left:
-            try:
-                getattr(self, step)()
-            except BaseException as e:
-                error = error or e
-                continue
-            self._teardown_left = tuple(s for s in self._teardown_left if s != step)
-        if error is not None:
-            raise error
-
-    def _note_memory(self) -> None:
-        if self._pool is not None:  # the workers' last moment alive (stats.last_memory)
-            self._stats.workers_stopping(self._pool)
-
-    def _close_requests(self) -> None:
-        try:
-            for ring in getattr(self, "_request_rings", ()):
-                ring.close()
-            for bell in getattr(self, "_request_bells", None) or ():
-                bell.ring()  # a host waiting on its doorbell wakes and finds its rings closed
-        finally:
-            self._request_rings = []  # a ring keeps the control block mapped
-            self._request_bells = None
-
-    def _stop_workers(self) -> None:
-        if self._node is None:  # a node pool's processes go on serving the other ranks
-            supervise.stop(self._workers)
-
-    def _close_shared_start(self) -> None:
-        if self._shared_start is not None:
-            self._shared_start.close()
-            self._shared_start = None
-
-    def _close_replies(self) -> None:
-        if self._replies is not None:
-            self._replies.close()
-
-    def _close_stager(self) -> None:
-        if self._stager is not None:
-            self._stager.close()
-
-    def _close_ledger(self) -> None:
-        if self._ledger is not None:
-            # bounded wait for every copy that may still read a cooling, leased or
-            # staged slot, on every stream and device; then the pool unregisters
-            self._ledger.close()
-
-    def _detach_stats(self) -> None:
-        if self._pool is not None:
-            self._stats.detach_pool(self._pool)
-
-    def _close_pool(self) -> None:
-        if self._pool is not None:
-            self._pool.close()
-
-    def _untrack(self) -> None:
-        supervise.untrack(self)
-
-    def _leave_node(self) -> None:
-        node, self._node = self._node, None
-        if node is not None:
-            node.release()
-
-    def _end_share(self) -> None:
-        share, self._share = self._share, None
-        if share is not None:
-            try:
-                share.end_epoch(self._share_epoch)  # a follower in it is told, not left waiting
-            finally:
-                share.release()
-
-    def shutdown_at_exit(self) -> None:
-        """What supervise.track's exit handler (and the finaliser) calls: no CUDA call
-        (the process or the object is going away); the next gate of this process
-        finishes what is left."""
-        gate = getattr(self, "_gate", None)
-        if gate is not None:
-            gate.defer()
-        self._shutdown_workers()
-
-    def __del__(self) -> None:
-        try:
-            self.shutdown_at_exit()
-        except Exception:
-            pass

@@ -1,0 +1,190 @@
+"""How PoolLoaderIter (poolloader.main.iterator) sends its requests: DataLoader's
+`_try_put_index`, call for call (each call draws its index and picks its worker when
+DataLoader's does), the requests past a node pool rank's cap held and sent in the order
+drawn, a slot taken, written and pushed with everything undone if the push did not
+happen, and a slot grown and sent back to the worker that asked. A mixin: the
+iterator's state is its own (set in its __init__ and _reset)."""
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from poolloader.errors import ControlCorrupt, SlotCorrupt
+from poolloader.wire import slot_format as fmt
+
+
+class RequestScheduling:
+    """The request side of PoolLoaderIter."""
+
+    # the iterator's (poolloader.main.iterator and torch's base class)
+    _ledger: Any
+    _held: Any
+    _cap: int | None
+    _send_idx: int
+    _tasks_outstanding: int
+    _picking: tuple[int, list]
+    _sampler_exhausted: bool
+    _epoch: Any
+    _fail: Any
+    _in_order: Any
+    _int_list_requests: Any
+    _next_index: Any
+    _num_workers: Any
+    _prefetch_factor: Any
+    _puts_owed: Any
+    _request_bells: Any
+    _request_rings: Any
+    _sent_indices: Any
+    _share: Any
+    _shared_seed: Any
+    _task_info: Any
+    _worker_queue_idx_cycle: Any
+    _workers_num_tasks: Any
+    _workers_status: Any
+
+    def _try_put_index(self) -> None:
+        """DataLoader's _try_put_index, call for call: each call draws its index and
+        picks its worker now, as DataLoader's does, and sends them when it can. A draw
+        that raises (the sampler's error) stays owed, drawn first by the next call (or
+        next()); a send that raises (no shared memory for a slot, an index that cannot
+        be pickled) keeps its index and worker held, sent first by the next call; so no
+        index is lost and the prefetch depth comes back. An iterator with a cap (a node
+        pool rank's share of the node's requests: poolloader.main.node) holds the
+        requests past it until a batch is delivered; they go in the order drawn."""
+        self._puts_owed += 1
+        self._send_owed()
+
+    def _send_owed(self) -> None:
+        while self._puts_owed:
+            self._draw()  # raises: still owed; each call that returns paid one
+        self._send_held()
+
+    def _send_held(self) -> None:
+        held, cap = self._held, self._cap
+        while held and (cap is None or self._slots_out() < cap):
+            index, worker, seed = held[0]
+            if self._workers_status[worker]:
+                self._send(index, worker, seed)  # raises: still held
+            else:
+                # its worker ended meanwhile (iterable): DataLoader would have sent it
+                # there (its send index taken), and nothing would have come of it
+                self._send_idx += 1
+                held.popleft()  # last: an interrupt comes after a call, never inside this pair
+
+    def _slots_out(self) -> int:
+        """The slots the requests hold until delivered, which the cap counts: in flight
+        (an earlier epoch's too, while _reclaim_all takes them back) or READY. Counted
+        afresh (at most the cap's entries), so no interrupt can leave a count behind."""
+        ready = sum(len(info) == 2 for info in self._task_info.values())
+        return len(self._ledger.inflight) + ready
+
+    def _draw(self) -> None:
+        """Draw one owed request's index and worker, as DataLoader's _try_put_index does,
+        and hold them. A call an interrupt cuts short is redone by the next one with the
+        same index (the resume tracker keeps it under its send index) and the workers
+        the round robin already gave it (`_picking`), so nothing is skipped or moved."""
+        max_tasks = self._prefetch_factor * self._num_workers
+        seq = self._send_idx + len(self._held)
+        try:
+            index = self._next_index()
+        except StopIteration:
+            self._sampler_exhausted = True
+            self._puts_owed -= 1
+            return
+        if self._picking[0] != seq:
+            self._picking = (seq, [])
+        picked = self._picking[1]  # the round robin's workers for this draw, in order
+        k = 0
+        while True:
+            if k == len(picked):
+                if k == self._num_workers:
+                    self._puts_owed -= 1
+                    return
+                # taken from the round robin and recorded in one C-level call
+                picked.extend(itertools.islice(self._worker_queue_idx_cycle, 1))
+            worker = picked[k]
+            k += 1
+            if self._workers_status[worker]:
+                if self._in_order:
+                    break
+                if self._workers_num_tasks[worker] < max_tasks // sum(self._workers_status):
+                    break
+        # drawn and counted as DataLoader counts it (the resume tracker has it under
+        # the send index it will go with): held until sent, never dropped, with its
+        # epoch's shared seed. The append is the only call: an interrupt (checked as a
+        # call returns) comes before all three steps or after them
+        self._workers_num_tasks[worker] += 1
+        self._puts_owed -= 1
+        self._held.append((index, worker, self._shared_seed))
+
+    def _send(self, index, worker: int, seed) -> None:
+        """Write and push the first held request. Everything it records is recorded
+        before the push, and the push marks itself in the same C call
+        (SlotLedger.push): an exception before the push (no space, an index that
+        cannot be pickled, an interrupt) undoes all of it, keeping the request held
+        for the retry; one after the push (a signal handler's) leaves it sent, once."""
+        ledger = self._ledger
+        seq, outstanding, held = self._send_idx, self._tasks_outstanding, self._held
+        request_held = held[0]
+        ring = self._request_rings[worker]
+        pushed: list = []
+        try:
+            request = fmt.encode_request(index, self._int_list_requests)
+            if self._share is not None:
+                self._share.collect()  # the followers' releases: slots take() may reuse
+            slot = ledger.take(fmt.request_slot_bytes(request))
+            fmt.write_request(ledger.mapping(slot), ledger.header(slot), seq,
+                              self._epoch, worker, request, seed)
+            ledger.inflight[slot] = (seq, worker)
+            self._sent_indices[slot] = index
+            self._task_info[seq] = (worker,)
+            self._tasks_outstanding = outstanding + 1
+            self._send_idx = seq + 1
+            held.popleft()
+            ledger.push(ring, slot, pushed)
+            if not pushed[0]:
+                raise SlotCorrupt(f"internal error: the request ring of worker {worker} is "
+                                  f"full ({ring.capacity} cells, one per slot)")
+            if self._request_bells is not None:
+                self._request_bells[worker].ring()
+        except BaseException as e:
+            if pushed and pushed[0]:
+                ledger.taking = None
+                raise  # the request went out: an exception after the push keeps it
+            taken = ledger.taking
+            if taken is not None:
+                ledger.inflight.pop(taken, None)
+                self._sent_indices.pop(taken, None)
+            ledger.put_back()
+            self._task_info.pop(seq, None)
+            self._tasks_outstanding = outstanding
+            self._send_idx = seq
+            if not held or held[0] is not request_held:
+                held.appendleft(request_held)
+            if isinstance(e, ControlCorrupt) or pushed:  # a broken ring, or a full one
+                self._fail(e)
+            raise
+        ledger.taking = None
+
+    def _grow_and_resend(self, slot: int) -> None:
+        """`slot` is ledger.returned[0] with a request to grow: a bigger segment, then
+        back to its worker, which holds the batch for it."""
+        ledger = self._ledger
+        seq, worker = ledger.inflight[slot]
+        pushed: list = []
+        try:
+            ledger.grow(slot, fmt.needed_bytes(ledger.header(slot)), worker)
+            fmt.stamp(ledger.header(slot), seq, self._epoch, worker)
+            ledger.returned.popleft()
+            ledger.push(self._request_rings[worker], slot, pushed)
+            if not pushed[0]:
+                raise SlotCorrupt(f"internal error: the request ring of worker {worker} is full")
+            if self._request_bells is not None:
+                self._request_bells[worker].ring()
+        except BaseException as e:
+            if not (pushed and pushed[0]):
+                # the worker holds the batch and waits for this slot, which did not
+                # go back: nothing can continue, so stop everything (a clear error
+                # from then on) rather than wait for it forever
+                self._fail(e)
+            raise
