@@ -48,21 +48,14 @@ class MemoryReport:
     workers: tuple[WorkerMemory, ...]
     main: ProcessMemory | None
 
-    @property
-    def workers_uss(self) -> int:
-        return sum(w.uss for w in self.workers)
+    def _sum(self, field: str) -> int:
+        return sum(getattr(w, field) for w in self.workers)
 
-    @property
-    def workers_pss(self) -> int:
-        return sum(w.pss for w in self.workers)
-
-    @property
-    def workers_rss(self) -> int:
-        return sum(w.rss for w in self.workers)
-
-    @property
-    def workers_shared(self) -> int:
-        return sum(w.shared for w in self.workers)
+    workers_uss = property(lambda self: self._sum("uss"), doc="USS summed over the workers")
+    workers_pss = property(lambda self: self._sum("pss"), doc="PSS summed over the workers")
+    workers_rss = property(lambda self: self._sum("rss"), doc="RSS summed over the workers")
+    workers_shared = property(lambda self: self._sum("shared"),
+                              doc="`shared` summed over the workers")
 
     def as_dict(self) -> dict:
         def one(p: ProcessMemory) -> dict:

@@ -191,20 +191,29 @@ class ShareLeader(rendezvous.Users):
                              f"{len(body)} bytes pickled, more than {MAX_MESSAGE}")
         self._published, self._n = (epoch, seq), self._n + 1  # together: no call between
         for f in list(self._followers):
-            try:
-                if f.sent.get(slot) != generation:
-                    socket.send_fds(f.sock, [body], [pool.descriptor(slot)])
-                    f.sent[slot] = generation
-                else:
-                    f.sock.send(body)
-            except BlockingIOError:
-                raise self._stuck(f) from None
-            except OSError:
-                self._gone(f)
+            fresh = f.sent.get(slot) != generation  # its first batch in this segment
+            if not self._send(f, body, [pool.descriptor(slot)] if fresh else ()):
                 continue
+            if fresh:
+                f.sent[slot] = generation
             f.held[key] += 1
             f.last_epoch = self._epoch
             self.ledger.share_out(slot, generation)
+
+    def _send(self, f: _Follower, body: bytes, fds=()) -> bool:
+        """Send `body` (with descriptors `fds`) to `f`: False if it is gone (dropped
+        here); a follower that took nothing for SEND_TIMEOUT_S is an error."""
+        try:
+            if fds:
+                socket.send_fds(f.sock, [body], list(fds))
+            else:
+                f.sock.send(body)
+        except BlockingIOError:
+            raise self._stuck(f) from None
+        except OSError:
+            self._gone(f)
+            return False
+        return True
 
     def _stuck(self, f: _Follower) -> RuntimeError:
         return RuntimeError(
@@ -237,12 +246,7 @@ class ShareLeader(rendezvous.Users):
                          "small or pass a larger snapshot_every_n_steps=")
                 continue
             for f in list(self._followers):
-                try:
-                    f.sock.send(body)
-                except BlockingIOError:
-                    raise self._stuck(f) from None
-                except OSError:
-                    self._gone(f)
+                self._send(f, body)
 
     def fail(self, epoch: int, why: str) -> None:
         if epoch == self._epoch:

@@ -155,13 +155,9 @@ class Replies:
         self._owed = owed
         self.returned = collections.deque() if returned is None else returned
         self._doorbell = control.doorbell
-        self._workers = workers
-        self._timeout = timeout
-        self._stats = stats
-        self._on_tick = on_tick
-        self._stall_warning = stall_warning
-        self._stall_report = stall_report
-        self._start = 0
+        self._workers, self._stats, self._on_tick = workers, stats, on_tick
+        self._timeout, self._stall_warning, self._stall_report = timeout, stall_warning, stall_report
+        self._start = 0  # where the next poll of the done rings begins (round robin)
 
     def waiting(self) -> int:
         """Replies returned and not yet taken by main (popped or not)."""
