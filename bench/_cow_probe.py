@@ -40,7 +40,8 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import common  # noqa: E402
+import procs  # noqa: E402
+import workload  # noqa: E402
 
 MIB = 1 << 20
 
@@ -137,7 +138,7 @@ def cow_growth(loader_cls: type, dataset: Any, num_workers: int = 4, *, batch_si
             ends = [_uss(starts[w][0]) for w in range(num_workers)]
         finally:
             if it is not None:
-                common.shutdown_iterator(it)
+                workload.shutdown_iterator(it)
             del it
             if gc_freeze:
                 gc.unfreeze()
@@ -179,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
         records = coco_records(args.records)
         return Annotations(poolloader.frozen(records) if use_frozen else records, args.gc_collect)
 
-    before = common.rss_bytes()
+    before = procs.rss_bytes()
     sizes = [len(pickle.dumps(r, pickle.HIGHEST_PROTOCOL)) for r in coco_records(1000)]
     print(f"{args.records} records (~{statistics.mean(sizes):.0f} B pickled each); "
           f"RSS before building any: {before / MIB:.0f} MiB; fork, "

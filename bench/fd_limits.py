@@ -2,7 +2,7 @@
 
 Method. Every cell (loader x workers x RLIMIT_NOFILE) runs in a fresh child Python
 that sets the limit (soft and hard) before it imports torch or poolloader, builds
-the loader over bench/common.py's RF-DETR shaped dataset (`RFDETRShaped`, batch 16;
+the loader over bench/workload.py's RF-DETR shaped dataset (`RFDETRShaped`, batch 16;
 per sample an image f32 [3,hw,hw], a bool mask [hw,hw] and a target dict of 7
 tensors, n = 0..14 boxes) collated with `RFDETRCollate("per_sample")`: 114 tensors
 per batch, row (d) of bench/handoff.py) and pulls `--batches`
@@ -35,9 +35,12 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402  (imports neither torch nor poolloader)
+import procs  # noqa: E402  (imports neither torch nor poolloader)
+import workload  # noqa: E402  (imports neither torch nor poolloader)
+import writers  # noqa: E402  (imports neither torch nor poolloader)
 
 NAME = "fd_limits"
-TENSORS_PER_BATCH = 2 + common.BATCH * 7
+TENSORS_PER_BATCH = 2 + workload.BATCH * 7
 
 
 def _cell(limit: int, workers: int, loader: str, batches: int, hw: int, context: str) -> int:
@@ -53,7 +56,7 @@ def _cell(limit: int, workers: int, loader: str, batches: int, hw: int, context:
 
     from poolloader import PoolLoader
 
-    data = common.RFDETRShaped(64, resolution=hw)
+    data = workload.RFDETRShaped(64, resolution=hw)
     sampler = RandomSampler(data, replacement=True, num_samples=16 * batches,
                             generator=torch.Generator().manual_seed(0))
     pool = loader == "PoolLoader"
@@ -62,16 +65,16 @@ def _cell(limit: int, workers: int, loader: str, batches: int, hw: int, context:
     got, start_fds = 0, None
     try:
         it = iter(cls(data, batch_size=16, sampler=sampler,
-                      collate_fn=common.RFDETRCollate("per_sample", pool),
+                      collate_fn=workload.RFDETRCollate("per_sample", pool),
                       num_workers=workers, timeout=30, **kw))
-        start_fds = common.fd_count()
+        start_fds = procs.fd_count()
         for batch in it:
             count = 2 + sum(len(t) for t in batch[2])
             if count != TENSORS_PER_BATCH:
                 raise AssertionError(f"batch {got} has {count} tensors")
             got += 1
             del batch
-        end_fds = common.fd_count()
+        end_fds = procs.fd_count()
         del it
     except BaseException as e:  # noqa: BLE001 - the cell's result is the error
         import traceback
@@ -160,14 +163,14 @@ def main(argv=None) -> int:
             f"{sys.version.split()[0]}, {os.cpu_count()} CPUs; {time.monotonic() - t0:.0f} s.\n"
             "Each cell: its own process with RLIMIT_NOFILE set before importing torch; "
             "pass (main's descriptors after start/at the end) or FAIL and the error's first line.")
-    table = common.markdown_table(
+    table = writers.markdown_table(
         ["loader", "workers"] + [f"ulimit -n {limit}" for limit in args.limits],
         [[loader, workers] + [results[loader, workers, limit].replace("|", "/")
                               for limit in args.limits]
          for loader in args.loaders for workers in args.workers],
         "lr" + "l" * len(args.limits))
-    common.write_outputs(args, f"### {NAME}\n\n{head}\n\n{table}\n",
-                         {"results": {f"{l} {w} {n}": r for (l, w, n), r in results.items()}})
+    writers.write_outputs(args, f"### {NAME}\n\n{head}\n\n{table}\n",
+                          {"results": {f"{l} {w} {n}": r for (l, w, n), r in results.items()}})
     return 0
 
 

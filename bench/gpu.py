@@ -22,7 +22,7 @@ Method, in one process on the machine's CUDA devices:
 3. Gate cost: microseconds per release (marker over the streams that may hold work:
    default, pool streams handed out, current) with the default stream busy, over
    200 releases.
-4. Loader throughput on the RF-DETR shape (bench/common.py's `RFDETRShaped` and
+4. Loader throughput on the RF-DETR shape (bench/workload.py's `RFDETRShaped` and
    `RFDETRCollate("per_sample")`: batch 16 of 3×576×576 float32 images, 576×576 bool
    masks, 16 target dicts of 7 tensors) at --workers (8,16,32) for
    DataLoader(pin_memory=True), PoolLoader(pin_memory=True) and PoolLoader(device="cuda").
@@ -51,6 +51,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402
 import torch  # noqa: E402
+import workload  # noqa: E402
+import writers  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 from poolloader import PoolLoader  # noqa: E402
@@ -107,7 +109,7 @@ def check_side_stream(batches: int, max_slots) -> dict:
         del b
     torch.cuda.synchronize()
     bad = wrong_batches(outs)
-    common.shutdown_iterator(it)
+    workload.shutdown_iterator(it)
     return {"batches": len(outs), "bad": bad, "stats": loader.stats.as_dict()}
 
 
@@ -161,7 +163,7 @@ def check_two_devices(batches: int) -> dict:
     torch.cuda.synchronize(0)
     torch.cuda.synchronize(1)
     bad = wrong_batches([o.to("cuda:0") for o in outs])
-    common.shutdown_iterator(it)
+    workload.shutdown_iterator(it)
     return {"batches": len(outs), "bad": bad, "stats": loader.stats.as_dict()}
 
 
@@ -180,7 +182,7 @@ def check_device_stream_switch(batches: int) -> dict:
         del d
     torch.cuda.synchronize()
     bad = wrong_batches(outs)
-    common.shutdown_iterator(it)
+    workload.shutdown_iterator(it)
     return {"batches": len(outs), "bad": bad, "stats": loader.stats.as_dict()}
 
 
@@ -245,7 +247,7 @@ ARMS = ["DataLoader(pin_memory=True)", "PoolLoader(pin_memory=True)", 'PoolLoade
 
 def run_loader(kind: str, workers: int, batches: int, data) -> dict:
     pool = kind != ARMS[0]
-    kw = dict(batch_size=common.BATCH, collate_fn=common.RFDETRCollate("per_sample", pool=pool),
+    kw = dict(batch_size=workload.BATCH, collate_fn=workload.RFDETRCollate("per_sample", pool=pool),
               num_workers=workers, prefetch_factor=2)
     if kind == ARMS[0]:
         loader = DataLoader(data, pin_memory=True, **kw)
@@ -272,10 +274,10 @@ def run_loader(kind: str, workers: int, batches: int, data) -> dict:
         torch.cuda.synchronize()
         if n < batches + 5:
             raise common.BenchError(f"{kind}: {n} batches, {batches + 5} expected")
-        return {"img_s": batches * common.BATCH / (time.perf_counter() - t0),
+        return {"img_s": batches * workload.BATCH / (time.perf_counter() - t0),
                 "main_ms": main_ns / batches / 1e6, "pin_thread_ms": pin_ns / batches / 1e6}
     finally:
-        common.shutdown_iterator(it)
+        workload.shutdown_iterator(it)
 
 
 def _pin_thread_ns(it) -> int:
@@ -292,7 +294,7 @@ def _pin_thread_ns(it) -> int:
 
 
 def throughput(workers: list[int], batches: int, reps: int, notes: list[str]) -> common.Raw:
-    data = common.RFDETRShaped(common.BATCH * (batches + 10))
+    data = workload.RFDETRShaped(workload.BATCH * (batches + 10))
     cells = []
     for w in workers:
         needed = (w * 2 + 2) * RFDETR_BATCH_BYTES * 1.3
@@ -365,7 +367,7 @@ def main(argv=None) -> int:
         checks["device= with a stream switch per call"] = check_device_stream_switch(args.checks)
         for c in checks.values():
             corrupted |= bool(c["bad"]) or c["batches"] != args.checks
-        say(common.markdown_table(
+        say(writers.markdown_table(
             ["corruption check", "batches", "corrupted", "cooling waits / growths"],
             [(label, c["batches"], c["bad"] or "none",
               f"{c['stats']['cooling_waits']} / {c['stats']['cooling_growths']}")
@@ -376,7 +378,7 @@ def main(argv=None) -> int:
             nbytes = max(1 << 20, (shm_free_bytes() // 4) >> 20 << 20)
             results["notes"].append(f"bandwidth copies shrunk to {nbytes >> 20} MiB (/dev/shm)")
         bw = results["bandwidth_GBps"] = bandwidth(nbytes, 10)
-        say("\n" + common.markdown_table(
+        say("\n" + writers.markdown_table(
             [f"H2D copy of {nbytes >> 20} MiB from", "GB/s median [min–max]", "is_pinned"],
             [(k, common.Summary(v["median"], v["min"], v["max"], v["n"]).fmt(".2f"), v["is_pinned"])
              for k, v in bw.items()], align="lrl"))
@@ -390,13 +392,13 @@ def main(argv=None) -> int:
                          results["notes"])
         results["throughput_img_s"] = {"raw": raw.as_json(),
                                        "summary": common.summaries(raw, ["img_s"], ARMS[0])}
-        say("\n" + common.markdown_table(
+        say("\n" + writers.markdown_table(
             ["workers", *(f"{a} img/s" for a in ARMS), *(f"{a} / DataLoader" for a in ARMS[1:])],
             [(w, *(common.cell_text(raw, w, a, "img_s") for a in ARMS),
               *(common.ratio_text(raw, w, a, ARMS[0], "img_s") for a in ARMS[1:])) for w in raw.cells]))
         say("\nCPU ms per batch on the main thread (next(), del and the .to() copies issued; "
             "the GPU's time excluded) and on DataLoader's pin-memory thread, which PoolLoader "
-            "does not have:\n\n" + common.markdown_table(
+            "does not have:\n\n" + writers.markdown_table(
                 ["workers", *(f"{a} main" for a in ARMS), f"{ARMS[0]} pin thread"],
                 [(w, *(common.cell_text(raw, w, a, "main_ms", ".3f") for a in ARMS),
                   common.cell_text(raw, w, ARMS[0], "pin_thread_ms", ".3f")) for w in raw.cells]))
@@ -414,9 +416,9 @@ def main(argv=None) -> int:
     for note in results["notes"]:
         say(f"\nnote: {note}")
     if args.markdown:
-        common.write_text(args.markdown, "\n".join(text))
+        writers.write_text(args.markdown, "\n".join(text))
     if args.json:
-        common.write_json(args.json, {"bench": "gpu", "config": vars(args), **results})
+        writers.write_json(args.json, {"bench": "gpu", "config": vars(args), **results})
     print(f"\n{results['elapsed_s']} s; RESULT:", {0: "PASS", 1: "FAIL: corrupted batches",
                                                    3: "INCOMPLETE (budget)", 4: "ERROR"}[status])
     return status

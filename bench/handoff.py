@@ -25,7 +25,7 @@ Arms (loaders), run on the same data in the same process run:
   Collates allocate the big tensors where each loader wants them: DataLoader's
   arm like `default_collate` in a worker (straight into a shared segment, no
   extra copy), PoolLoader's with `poolloader.slot_empty` (straight into the slot).
-  (Data set and collate: `common.RFDETRShaped`, `common.RFDETRCollate`.)
+  (Data set and collate: `workload.RFDETRShaped`, `workload.RFDETRCollate`.)
 
 Dataset: `--dataset cheap` (default) returns precomputed tensors (the image is
 returned as is, the 7 target tensors are cloned, as a real dataset builds them
@@ -60,7 +60,7 @@ Method, per cell (workers x row x arm), per repetition:
      then `--tp-batches` batches `next(); del` as fast as they come:
      img/s = 16 x batches / wall time.
   4. fds = open descriptors of the main process at the end of the throughput
-     pass (`common.fd_count`), iterator alive and the last batch still held
+     pass (`procs.fd_count`), iterator alive and the last batch still held
      (also the peak during the latency phase and the baseline before the
      loader, in the JSON).
   5. Drain the rest of the epoch (so no batch is left in a queue: the
@@ -123,15 +123,18 @@ import weakref
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402
+import procs  # noqa: E402
 import torch  # noqa: E402
 import torch.multiprocessing as torch_mp  # noqa: E402
-from common import BATCH, RESOLUTION, ROW_LABEL, ROWS  # noqa: E402
+import workload  # noqa: E402
+import writers  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
+from workload import BATCH, RESOLUTION, ROW_LABEL, ROWS  # noqa: E402
 
 from poolloader import PoolLoader  # noqa: E402
 
 NAME = "handoff"
-MAX_INSTANCES = common.MAX_INSTANCES
+MAX_INSTANCES = workload.MAX_INSTANCES
 PACKER = "poolloader.detection.pack_targets"
 
 
@@ -178,11 +181,11 @@ class CocoLikeWithMask:
 def build_dataset(kind: str, length: int):
     """(dataset, description)."""
     if kind == "cheap":
-        return (common.RFDETRShaped(length),
+        return (workload.RFDETRShaped(length),
                 "cheap: precomputed tensors (targets cloned per item)")
     from fixtures.synthetic import CocoLikeDataset
 
-    root, ann = common.coco_like_data(32, seed=0)
+    root, ann = workload.coco_like_data(32, seed=0)
     return (CocoLikeWithMask(CocoLikeDataset(root, ann, resolution=RESOLUTION), length),
             "jpeg: fixtures.synthetic.make_coco_like(32 images 640x480) + CocoLikeDataset(576)")
 
@@ -258,7 +261,7 @@ class StderrCapture:
 def make_loader(arm: Arm, row: str, workers: int, dataset, cfg, batches: int):
     """`batches` batches of the first items (a range sampler: the cell can drain its epoch)."""
     kwargs = dict(batch_size=BATCH, num_workers=workers,
-                  collate_fn=common.RFDETRCollate(row, arm.pool), sampler=range(batches * BATCH),
+                  collate_fn=workload.RFDETRCollate(row, arm.pool), sampler=range(batches * BATCH),
                   pin_memory=False, drop_last=True, prefetch_factor=cfg.prefetch,
                   timeout=cfg.timeout, **arm.options)
     return arm.loader_cls(dataset, **kwargs)
@@ -284,10 +287,10 @@ def run_cell(arm: Arm, row: str, workers: int, dataset, cfg) -> dict:
     try:
         if arm.strategy:
             torch_mp.set_sharing_strategy(arm.strategy)
-        res["fds_baseline"] = common.fd_count()
+        res["fds_baseline"] = procs.fd_count()
         loader = make_loader(arm, row, workers, dataset, cfg, total)
         it = iter(loader)
-        common.note_workers(it)
+        procs.note_workers(it)
         for _ in range(warmup):
             batch = next(it)
             del batch
@@ -302,11 +305,11 @@ def run_cell(arm: Arm, row: str, workers: int, dataset, cfg) -> dict:
                 t0 = time.perf_counter_ns()
                 batch = next(it)
                 t1 = time.perf_counter_ns()
-                found = common.tensors_in(batch)
+                found = workload.tensors_in(batch)
                 res["tensors"] = len(found)
                 probes = (weakref.ref(found[0]), weakref.ref(found[-1]))
                 del found
-                fds_peak = max(fds_peak, common.fd_count())
+                fds_peak = max(fds_peak, procs.fd_count())
                 t2 = time.perf_counter_ns()
                 del batch
                 t3 = time.perf_counter_ns()
@@ -325,7 +328,7 @@ def run_cell(arm: Arm, row: str, workers: int, dataset, cfg) -> dict:
             if i + 1 < cfg.tp_batches:
                 del batch
         elapsed = time.perf_counter() - t0
-        res["fds"] = common.fd_count()  # end of the pass: iterator alive, last batch held
+        res["fds"] = procs.fd_count()  # end of the pass: iterator alive, last batch held
         del batch
         if arm.pool:
             res["pool_stats"] = loader.stats.as_dict()
@@ -371,7 +374,7 @@ def run_cell(arm: Arm, row: str, workers: int, dataset, cfg) -> dict:
         del it, loader
         gc.collect()
         torch_mp.set_sharing_strategy(strategy_before)
-        left = common.wait_no_children()
+        left = procs.wait_no_children()
     if shutdown_error:
         res["shutdown_error"] = shutdown_error
     if left:
@@ -557,7 +560,7 @@ def target_checks(summary, workers_list, rows) -> str:
 
 
 def plot(summary, workers_list, rows, path: str) -> str:
-    plt = common.pyplot()
+    plt = writers.pyplot()
     if plt is None:
         return "matplotlib is not installed: --plot skipped (pip install matplotlib)"
     panels = (("sum_ms", "next+drop ms (after a sleep)"), ("warm_sum_ms", "next+drop ms (warm)"),
@@ -566,13 +569,13 @@ def plot(summary, workers_list, rows, path: str) -> str:
                              squeeze=False)
     for col, w in enumerate(workers_list):
         for r, (key, ylabel) in enumerate(panels):
-            common.draw_bars(axes[r][col], [ROW_LABEL[row] for row in rows],
-                             {arm.label: [summary[(w, row, arm.key)][key] for row in rows]
-                              for arm in ARMS},
-                             ylabel=ylabel, title=f"{w} workers", log=True, rotation=15)
+            writers.draw_bars(axes[r][col], [ROW_LABEL[row] for row in rows],
+                              {arm.label: [summary[(w, row, arm.key)][key] for row in rows]
+                               for arm in ARMS},
+                              ylabel=ylabel, title=f"{w} workers", log=True, rotation=15)
     fig.suptitle(f"worker→main hand-off, batch {BATCH}, {RESOLUTION}×{RESOLUTION} "
                  "(median, min–max over reps)")
-    common.save_figure(fig, plt, path)
+    writers.save_figure(fig, plt, path)
     return f"plot written to {path}"
 
 
@@ -605,7 +608,7 @@ def run_profile(row: str, arm: Arm, workers: int, dataset, cfg, top: int = 25) -
         del it, loader
         gc.collect()
         torch_mp.set_sharing_strategy(strategy_before)
-        common.wait_no_children()
+        procs.wait_no_children()
     buf = io.StringIO()
     stats = pstats.Stats(prof, stream=buf)
     total = stats.total_tt
@@ -794,8 +797,8 @@ def main(argv=None) -> int:
         _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(cfg.nofile, hard), hard))
     nofile = resource.getrlimit(resource.RLIMIT_NOFILE)
-    shm_before = common.shm_names()
-    managers_before = set(common.pids_running("torch_shm_manager"))
+    shm_before = procs.shm_names()
+    managers_before = set(procs.pids_running("torch_shm_manager"))
     per_cell = cell_batches(max(cfg.workers_list), cfg)[2]
     load_start = os.getloadavg()[0]
     t_start = time.perf_counter()
@@ -814,15 +817,15 @@ def main(argv=None) -> int:
     wall = time.perf_counter() - t_start
 
     # Hygiene: no child left, no new /dev/shm name (give unlinks a moment).
-    children = common.wait_no_children()
+    children = procs.wait_no_children()
     deadline = time.monotonic() + 5.0
     while True:
-        leaked = common.names_of(common.OUR_PIDS, common.shm_names() - shm_before)
+        leaked = procs.names_of(procs.OUR_PIDS, procs.shm_names() - shm_before)
         if not leaked or time.monotonic() > deadline:
             break
         time.sleep(0.1)
     cleanup = {"children": {str(k): v for k, v in children.items()}, "shm_leaked": leaked,
-               "new_shm_managers": sorted(set(common.pids_running("torch_shm_manager"))
+               "new_shm_managers": sorted(set(procs.pids_running("torch_shm_manager"))
                                           - managers_before)}
     meta = {"quick": cfg.quick, "workers": cfg.workers_list, "reps": cfg.reps,
             "samples": cfg.samples, "tp_batches": cfg.tp_batches, "prefetch": cfg.prefetch,
@@ -833,7 +836,7 @@ def main(argv=None) -> int:
             "command": shlex.join(["python", "bench/handoff.py", *argv]),
             "loadavg_1min": [round(load_start, 2), round(os.getloadavg()[0], 2)]}
     text, summary = report(raw, dict(meta, cleanup=cleanup), cfg)
-    common.write_outputs(cfg, text, {
+    writers.write_outputs(cfg, text, {
         "meta": meta, "raw": raw.as_json(), "cleanup": cleanup,
         "summary": [{"workers": w, "row": row, "arm": arm,
                      **{k: (v.as_dict() if isinstance(v, common.Summary) else v)

@@ -5,7 +5,7 @@ collects an epoch (evaluation, caching, debugging) does `batches = list(loader)`
 or keeps only the small part it needs (the targets, for a metric). This measures
 what that costs the main process and how much shared memory stays held.
 
-Data: bench/common.py's RF-DETR-shaped data set (`RFDETRShaped`: per sample an
+Data: bench/workload.py's RF-DETR-shaped data set (`RFDETRShaped`: per sample an
 image f32 [3,R,R], a bool mask [R,R] and RF-DETR's 7 target tensors, n uniform
 in 0..14) collated by `RFDETRCollate(row)` into batches of 16: images + mask +
 targets as 16 dicts of 7 tensors ("per_sample", 114 tensors) or packed one
@@ -32,7 +32,7 @@ time (all threads, /proc schedstat) over the loop, per batch; the epoch's end
 (the last `next()` shuts the workers down) is inside it, as in a real
 `list(loader)`. With the batches (or targets) still held after the epoch:
   shm held   bytes of /dev/shm objects the main process maps
-             (`common.shm_mapped_bytes`: unlinked ones included, each counted once);
+             (`procs.shm_mapped_bytes`: unlinked ones included, each counted once);
   kept       bytes of the tensors the consumer holds (what it asked to keep);
   fds        the main process's open descriptors (and its RSS, in the JSON).
 Then everything is dropped, `gc.collect()`, and the shared memory still mapped
@@ -55,6 +55,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402
+import procs  # noqa: E402
+import workload  # noqa: E402
+import writers  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from poolloader import PoolLoader  # noqa: E402
@@ -80,34 +83,34 @@ def kept_part(batch, keep: str):
 def measure(cell, arm: str, args) -> dict:
     row, keep = cell
     pool = arm == "PoolLoader"
-    dataset = common.RFDETRShaped(args.batches * common.BATCH, resolution=args.resolution)
-    options = dict(batch_size=common.BATCH, num_workers=args.workers, prefetch_factor=PREFETCH,
-                   collate_fn=common.RFDETRCollate(row, pool), timeout=args.timeout)
+    dataset = workload.RFDETRShaped(args.batches * workload.BATCH, resolution=args.resolution)
+    options = dict(batch_size=workload.BATCH, num_workers=args.workers, prefetch_factor=PREFETCH,
+                   collate_fn=workload.RFDETRCollate(row, pool), timeout=args.timeout)
     if pool:
         options.update(pool_options(args))
     loader = LOADERS[arm](dataset, **options)
     it = iter(loader)
-    common.note_workers(it)
+    procs.note_workers(it)
     kept = None
     try:
-        main0, t0 = common.cpu_ns(os.getpid()), time.perf_counter()
+        main0, t0 = procs.cpu_ns(os.getpid()), time.perf_counter()
         kept = [kept_part(batch, keep) for batch in it]
-        wall, main = time.perf_counter() - t0, common.cpu_ns(os.getpid()) - main0
+        wall, main = time.perf_counter() - t0, procs.cpu_ns(os.getpid()) - main0
         if len(kept) != args.batches:
             raise common.BenchError(f"got {len(kept)} batches, expected {args.batches}")
-        held = {"shm_mib": common.shm_mapped_bytes() / 2**20,
-                "kept_mib": sum(t.nbytes for t in common.tensors_in(kept)) / 2**20,
-                "fds": common.fd_count(), "rss_mib": common.rss_bytes() / 2**20}
+        held = {"shm_mib": procs.shm_mapped_bytes() / 2**20,
+                "kept_mib": sum(t.nbytes for t in workload.tensors_in(kept)) / 2**20,
+                "fds": procs.fd_count(), "rss_mib": procs.rss_bytes() / 2**20}
         stats = loader.stats.as_dict() if pool else {}
     finally:
         kept = None
-        common.shutdown_iterator(it)
+        workload.shutdown_iterator(it)
         del it, loader
-        left = common.wait_clean()
+        left = procs.wait_clean()
     if left:
         raise common.BenchError(f"left behind after the measurement: {left}")
     out = {"main_cpu_ms": main / 1e6 / args.batches, "batch_s": args.batches / wall, **held,
-           "shm_after_mib": common.shm_mapped_bytes() / 2**20}
+           "shm_after_mib": procs.shm_mapped_bytes() / 2**20}
     out.update({f"pool_{k}": v for k, v in stats.items()
                 if k in ("slot_count", "pool_growths", "slot_growths", "pool_bytes")})
     return out
@@ -143,15 +146,15 @@ def render(raw, args) -> str:
             " / ".join(median_text(raw, cell, arm, "fds", ".0f") for arm in ARMS),
         ])
     knob = pool_options(args)
-    head = (f"The consumer keeps every batch: {args.batches} batches of {common.BATCH} × "
+    head = (f"The consumer keeps every batch: {args.batches} batches of {workload.BATCH} × "
             f"{args.resolution}² RF-DETR-shaped samples per epoch, {args.workers} workers, "
             f"prefetch_factor {PREFETCH}; PoolLoader "
             f"{'max_slots=' + str(knob['max_slots']) if knob else 'with its defaults'}; "
             f"{args.reps} repetitions (+{args.warmup_reps} warm-up), median [min–max]; ratios "
             f"paired per repetition. main ms = main-process CPU time of the epoch per batch; "
             f"shm held = /dev/shm bytes the main process maps after the epoch with the kept "
-            f"data alive; kept = bytes of the kept tensors. {common.env_line()}.")
-    table = common.markdown_table(
+            f"data alive; kept = bytes of the kept tensors. {writers.env_line()}.")
+    table = writers.markdown_table(
         ["targets", "kept", "DataLoader main ms", "PoolLoader main ms", "Pool/DL main ms",
          "DataLoader shm held MiB", "PoolLoader shm held MiB", "Pool/DL shm", "kept MiB",
          "fds DL / Pool (median)"], rows, "llrrrrrrrr")
@@ -160,7 +163,7 @@ def render(raw, args) -> str:
 
 def plot(raw, args):
     groups = [f"{row}, keep {keep}" for row, keep in raw.cells]
-    return common.plot_bars(
+    return writers.plot_bars(
         args.plot, groups,
         {arm: [common.summarize(raw.series(c, arm, "main_cpu_ms")) for c in raw.cells]
          for arm in ARMS},
@@ -192,7 +195,7 @@ def main(argv=None) -> None:
         reps=args.reps, warmup_reps=args.warmup_reps, label=NAME,
         show=lambda m: (f"{m['main_cpu_ms']:.2f} main ms/batch, shm held {m['shm_mib']:.0f} MiB, "
                         f"kept {m['kept_mib']:.1f} MiB, {m['fds']} fds"))
-    common.write_outputs(args, render(raw, args), {
+    writers.write_outputs(args, render(raw, args), {
         "raw": raw.as_json(), "pool_options": pool_options(args),
         "summary": common.summaries(raw, METRICS, baseline="DataLoader")})
     if args.plot:

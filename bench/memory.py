@@ -13,7 +13,7 @@ the other, the order rotated per repetition, as bench/throughput.py does):
       (persistent workers, read while they wait for the next one), and
       `first_s`, seconds from iter() to the first batch. Arms: DataLoader, PoolLoader
       (this tree), PoolLoader at `--baseline` (default bea7503; built with
-      `common.baseline_tree`; `--baseline ''` leaves it out).
+      `revisions.baseline_tree`; `--baseline ''` leaves it out).
       Targets: PoolLoader's PSS sum ≤ 0.35 × DataLoader's; its first batch ≤ 0.5 × the
       baseline PoolLoader's.
   (b) Python objects under fork: a list of `--dicts` dicts, `--cow-items` items read at
@@ -92,8 +92,10 @@ def _records(n: int) -> list:
 def child(spec: dict) -> None:
     """One arm in this fresh interpreter: prints one JSON line (figures, or `skipped`)."""
     sys.path.insert(0, os.path.dirname(HERE))
-    import common  # puts ROOT first on sys.path: the tree to measure goes in front of it
-    common.use_tree(spec["tree"])
+    import procs
+    import revisions  # (through common) puts ROOT first on sys.path: the tree goes in front of it
+    import workload
+    revisions.use_tree(spec["tree"])
     import multiprocessing
 
     import torch
@@ -101,7 +103,7 @@ def child(spec: dict) -> None:
 
     import poolloader
 
-    common.check_tree(poolloader, spec["tree"])
+    revisions.check_tree(poolloader, spec["tree"])
     reader = _smaps_reader()
     from _memory_data import Arrays, ModuleDataset, Records  # bench/: on sys.path here
     part, arm, workers = spec["part"], spec["arm"], spec["workers"]
@@ -116,7 +118,7 @@ def child(spec: dict) -> None:
         if arm == "frozen":
             frozen = getattr(poolloader, "frozen", None)
             if frozen is None:
-                print(json.dumps({common.SKIPPED: "no poolloader.frozen in this tree"}))
+                print(json.dumps({revisions.SKIPPED: "no poolloader.frozen in this tree"}))
                 return
             items = frozen(items)
         data = Records(items)
@@ -130,7 +132,7 @@ def child(spec: dict) -> None:
         kwargs["multiprocessing_context"] = multiprocessing.get_context("fork")
         if arm != "dl":  # stateful=True is the default; stateful=False shows what it costs
             kwargs["stateful"] = arm == "stateful"
-    names0 = common.shm_names()
+    names0 = procs.shm_names()
     loader = cls(data, **kwargs)
     result: dict = {}
     pids: list[int] = []
@@ -140,7 +142,7 @@ def child(spec: dict) -> None:
         batch = next(it)
         result["first_s"] = time.perf_counter() - t0
         del batch
-        pids = common.note_workers(it)
+        pids = procs.note_workers(it)
         if part == "c":
             for _ in range(workers * 2 + 4):
                 batch = next(it)
@@ -165,10 +167,10 @@ def child(spec: dict) -> None:
             growth = sorted((after[p]["uss"] - before[p]["uss"]) / MIB for p in pids)
             result["uss_growth_mib"] = growth[len(growth) // 2]
     finally:
-        common.shutdown_iterator(it)
+        workload.shutdown_iterator(it)
         del it, loader
     # what this arm left (bounded wait), as bench/throughput.py checks it
-    result["left"] = common.arm_leftovers(names0, pids)
+    result["left"] = revisions.arm_leftovers(names0, pids)
     print(json.dumps(result))
 
 
@@ -201,6 +203,8 @@ def _verdict(raw, cell, metric, arm, base, bound, sense) -> str:
 
 def table(raw, cfg) -> str:
     import common
+    import revisions
+    import writers
     out = []
     for part in cfg.parts_list:
         _cells, arms, metrics = PARTS[part]
@@ -209,7 +213,7 @@ def table(raw, cfg) -> str:
         for cell in [c for c in raw.cells if c[0] == part]:
             for arm in arms:
                 row = [cell[1], ARM_LABEL[arm]]
-                skipped = [e for e in raw.errors[cell][arm] if e.startswith(common.SKIPPED)]
+                skipped = [e for e in raw.errors[cell][arm] if e.startswith(revisions.SKIPPED)]
                 for metric, _head, spec in metrics:
                     if skipped and not raw.ok(cell, arm):
                         row += [skipped[0], "–"]
@@ -221,7 +225,7 @@ def table(raw, cfg) -> str:
         for _metric, head, _spec in metrics:
             heads += [head, "÷ DataLoader"]
         out.append(f"### {PART_TITLE[part]}\n\n"
-                   + common.markdown_table(heads, rows, "ll" + "r" * (len(heads) - 2)))
+                   + writers.markdown_table(heads, rows, "ll" + "r" * (len(heads) - 2)))
     targets = []
     for part, metric, arm, base, bound, sense, text in TARGETS:
         if part not in cfg.parts_list or arm not in cfg.arms or base not in cfg.arms:
@@ -229,7 +233,7 @@ def table(raw, cfg) -> str:
         for cell in [c for c in raw.cells if c[0] == part]:
             targets.append([f"({part}) {cell[1]}", text,
                             _verdict(raw, cell, metric, arm, base, bound, sense)])
-    out.append("### Targets\n\n" + common.markdown_table(
+    out.append("### Targets\n\n" + writers.markdown_table(
         ["part", "target", "measured ratio (median of the paired repetitions)"],
         targets, "lll"))
     return "\n\n".join(out)
@@ -241,6 +245,9 @@ def main(argv=None) -> int:
         return 0
     sys.path.insert(0, os.path.dirname(HERE))
     import common
+    import procs
+    import revisions
+    import writers
 
     p = common.parser(NAME, __doc__, reps=(3, 1), warmup_reps=(0, 0))
     p.add_argument("--parts", default="a,b,c", help="which parts (a, b, c; comma-separated)")
@@ -282,7 +289,7 @@ def main(argv=None) -> int:
                 p.error(f"--baseline {cfg.baseline!r} is not a commit of {ROOT} (a shallow clone "
                         "lacks old ones): give another revision, or --baseline '' to leave the arm out")
             rev = found.stdout.strip()
-            trees["base"] = common.baseline_tree(cfg.baseline, tmp)
+            trees["base"] = revisions.baseline_tree(cfg.baseline, tmp)
         here = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
                               capture_output=True, text=True).stdout.strip()
         cells = [(part, method) for part in cfg.parts_list for method in PARTS[part][0]]
@@ -294,33 +301,33 @@ def main(argv=None) -> int:
                     "tensor_mib": cfg.tensor_mib, "batches": cfg.batches, "dicts": cfg.dicts,
                     "cow_items": cfg.cow_items, "buffer_mib": cfg.buffer_mib,
                     "seconds": cfg.seconds, "min_batches": cfg.min_batches}
-            return common.run_arm(HERE, spec, cfg.timeout)
+            return revisions.run_arm(HERE, spec, cfg.timeout)
 
         raw = _interleave_parts(common, cells, cfg, measure)
     finally:
-        common.remove_baseline_tree(tmp)
+        revisions.remove_baseline_tree(tmp)
     head = (f"## Memory per worker (bench/memory.py{' --quick' if cfg.quick else ''})\n\n"
             f"{cfg.workers} workers, batch {BATCH} ((b): 256); (a) array {cfg.array_mib} MiB + "
             f"tensor {cfg.tensor_mib} MiB, {cfg.batches} batches; (b) {cfg.dicts} dicts, "
             f"{cfg.cow_items} random reads; (c) buffer {cfg.buffer_mib} MiB, ≥{cfg.seconds:g} s; "
             f"{cfg.reps} reps, each arm a fresh process; this tree {here or '?'}"
             + (f", baseline {cfg.baseline} ({rev})" if rev else "")
-            + f"; {common.env_line()}; 1-min load average {load0:.2f} at the start, "
+            + f"; {writers.env_line()}; 1-min load average {load0:.2f} at the start, "
             f"{os.getloadavg()[0]:.2f} at the end; run took {time.perf_counter() - t0:.0f} s.\n\n"
             "Cells: median [min–max]; ÷ columns: per-repetition ratios between arms run "
             "side by side. Memory figures hardly depend on load; times do.\n\n")
-    common.write_outputs(cfg, head + table(raw, cfg), {"raw": raw.as_json(), "baseline": cfg.baseline,
-                                                       "baseline_rev": rev, "tree_rev": here})
+    writers.write_outputs(cfg, head + table(raw, cfg), {"raw": raw.as_json(), "baseline": cfg.baseline,
+                                                        "baseline_rev": rev, "tree_rev": here})
     if cfg.plot and "a" in cfg.parts_list:
         methods = PARTS["a"][0]
-        common.plot_bars(cfg.plot, list(methods),
-                         {ARM_LABEL[arm]: [common.summarize(raw.series(("a", m), arm, "pss_mib"))
-                                           for m in methods]
-                          for arm in PARTS["a"][1] if arm in cfg.arms},
-                         ylabel="workers' PSS sum, MiB",
-                         title=f"(a) {cfg.workers} workers, {cfg.array_mib} MiB array + "
+        writers.plot_bars(cfg.plot, list(methods),
+                          {ARM_LABEL[arm]: [common.summarize(raw.series(("a", m), arm, "pss_mib"))
+                                            for m in methods]
+                           for arm in PARTS["a"][1] if arm in cfg.arms},
+                          ylabel="workers' PSS sum, MiB",
+                          title=f"(a) {cfg.workers} workers, {cfg.array_mib} MiB array + "
                                f"{cfg.tensor_mib} MiB tensor")
-    return 0 if not common.wait_no_children() else 1
+    return 0 if not procs.wait_no_children() else 1
 
 
 def _interleave_parts(common, cells, cfg, measure):

@@ -8,8 +8,8 @@ processes does the job run, how much memory and worker CPU does the node spend, 
 does sharing the workers (or the batches) cost each rank's batches/s, first batch and
 main thread?
 
-Arms (same data set, same sampler, same collate: `common.RFDETRShaped` /
-`common.RFDETRCollate`, RF-DETR's batch of 16 × 576², row `per_sample` by default):
+Arms (same data set, same sampler, same collate: `workload.RFDETRShaped` /
+`workload.RFDETRCollate`, RF-DETR's batch of 16 × 576², row `per_sample` by default):
   torch  DataLoader per rank, num_workers=2
   pool   PoolLoader per rank, num_workers=2
   node   PoolLoader(num_workers=2, node_pool=True), plus node_workers=N with
@@ -52,7 +52,7 @@ past it every process of the job is killed by pid and the arm is FAILED). Each r
      (/proc/<pid>/smaps_rollup, read by poolloader.main.memory.read_process): each
      shared page is divided among the processes that map it, so the sum is what the job
      holds together (torchrun's own PSS is in the JSON, not in the sum). "workers' CPU
-     ms per delivered batch" is what the worker processes' CPU time (common.cpu_ns:
+     ms per delivered batch" is what the worker processes' CPU time (procs.cpu_ns:
      every live thread's, /proc/<pid>/task/*/schedstat, ns) grew by between the two
      readings, over the batches every rank delivered in between (R × (warm-up +
      timed)). Both readings wait, every other rank held in the barrier, until no
@@ -134,9 +134,9 @@ def job_census(root: int, sessions=()) -> dict:
     (torchrun), and every live process in `root`'s session, in one of `sessions` or in
     a descendant's session (torchrun makes each rank a session leader; a worker
     reparented after its rank died keeps the rank's session); `root` excluded."""
-    import common
+    import procs
 
-    table = common.processes()
+    table = procs.processes()
     children: dict = {}
     for pid, proc in table.items():
         children.setdefault(proc.ppid, []).append(pid)
@@ -195,8 +195,8 @@ def rank_child(spec: dict) -> None:
 
 
 def _rank_body(spec: dict, rank: int, world: int, local_rank: int) -> dict:
-    import common
     import torch.distributed as dist
+    import workload
     from torch.utils.data import DataLoader
     from torch.utils.data.distributed import DistributedSampler
 
@@ -209,12 +209,12 @@ def _rank_body(spec: dict, rank: int, world: int, local_rank: int) -> dict:
                            "(share_batches checks each batch's indices): pass --same-batches")
     in_flight = 2 * workers + 2  # what a pipeline holds beyond the batches drawn
     per_rank = spec["warmup_batches"] + spec["batches"] + 1 + in_flight
-    dataset = common.RFDETRShaped(common.BATCH * world * per_rank, resolution=spec["resolution"])
+    dataset = workload.RFDETRShaped(workload.BATCH * world * per_rank, resolution=spec["resolution"])
     # --same-batches: every rank draws what rank 0 of a one-replica sampler draws
     sampler = DistributedSampler(dataset, num_replicas=1 if same else world,
                                  rank=0 if same else rank, shuffle=True, seed=spec["seed"])
-    kwargs: dict = dict(batch_size=common.BATCH, sampler=sampler, num_workers=workers,
-                        collate_fn=common.RFDETRCollate(spec["row"], pool=arm != "torch"),
+    kwargs: dict = dict(batch_size=workload.BATCH, sampler=sampler, num_workers=workers,
+                        collate_fn=workload.RFDETRCollate(spec["row"], pool=arm != "torch"),
                         timeout=spec["loader_timeout"])
     if arm == "node":
         kwargs["node_pool"] = True
@@ -258,7 +258,7 @@ def _rank_body(spec: dict, rank: int, world: int, local_rank: int) -> dict:
             out.update(_census(os.getppid(), rank_pids, read_process))
         dist.barrier()  # the census is taken
     finally:
-        common.shutdown_iterator(it)
+        workload.shutdown_iterator(it)
         del it
     dist.barrier()  # every rank has shut its loader down
     return out
@@ -268,13 +268,13 @@ def _settled_worker_cpu(torchrun: int, rank_pids: list) -> dict:
     """{pid: CPU ns} of the job's worker processes (the census less the ranks), read
     once their pipelines are full (see SETTLE_STEP_S); rank 0 calls it while the
     other ranks wait in a barrier, so no rank asks for a batch meanwhile."""
-    import common
+    import procs
 
     deadline = time.monotonic() + SETTLE_TIMEOUT_S
     before = None
     grew_ms = float("nan")
     while True:
-        now = {pid: common.cpu_ns(pid) for pid in job_census(torchrun, rank_pids)
+        now = {pid: procs.cpu_ns(pid) for pid in job_census(torchrun, rank_pids)
                if pid not in rank_pids}
         if before is not None and now.keys() == before.keys():
             grew_ms = max((now[pid] - before[pid]) / 1e6 for pid in now) if now else 0.0
@@ -298,7 +298,7 @@ def _worker_cpu(cpu0: dict, cpu1: dict, delivered: int) -> dict:
     shrank = sorted(pid for pid in cpu0 if cpu1[pid] < cpu0[pid])
     if shrank:
         raise RuntimeError(f"a thread of worker process(es) {shrank} exited inside the CPU "
-                           "window (common.cpu_ns counts live threads only)")
+                           "window (procs.cpu_ns counts live threads only)")
     total_ms = sum(cpu1[pid] - cpu0[pid] for pid in cpu0) / 1e6
     return {"worker_cpu_ms": total_ms / delivered, "worker_cpu_s": total_ms / 1e3,
             "delivered": delivered}
@@ -306,10 +306,10 @@ def _worker_cpu(cpu0: dict, cpu1: dict, delivered: int) -> dict:
 
 def _census(torchrun: int, rank_pids: list, read_process) -> dict:
     """The job's processes and their PSS, as seen from rank 0 (see the module docstring)."""
-    import common
+    import procs
 
-    if "torch.distributed" not in common.cmdline(torchrun) and "torchrun" not in common.cmdline(torchrun):
-        raise RuntimeError(f"rank 0's parent (pid {torchrun}: {common.cmdline(torchrun)[:80]!r}) "
+    if "torch.distributed" not in procs.cmdline(torchrun) and "torchrun" not in procs.cmdline(torchrun):
+        raise RuntimeError(f"rank 0's parent (pid {torchrun}: {procs.cmdline(torchrun)[:80]!r}) "
                            "is not torchrun; run this file through bench/node.py's driver")
     job = job_census(torchrun, rank_pids)
     missing = sorted(set(rank_pids) - set(job))
@@ -329,7 +329,7 @@ def _census(torchrun: int, rank_pids: list, read_process) -> dict:
             "torchrun_pss_mib": None if own is None else own["pss"] / MIB,
             "job_pids": sorted(job),
             "others": [f"{pid} (parent {job[pid].ppid}): "
-                       f"{common.cmdline(pid).split(' --rank-child')[0][:100]}"
+                       f"{procs.cmdline(pid).split(' --rank-child')[0][:100]}"
                        for pid in job if pid not in rank_pids]}
 
 
@@ -340,6 +340,7 @@ def run_job(spec: dict, ranks: int, timeout: float) -> dict:
     """One torchrun job of `ranks` ranks; returns the measurement (job figures and
     per-rank lists); common.BenchError on a failed rank, the deadline, or leftovers."""
     import common
+    import procs
 
     tmp = tempfile.mkdtemp(prefix="plnode-")
     spec = dict(spec, out_dir=tmp)
@@ -347,7 +348,7 @@ def run_job(spec: dict, ranks: int, timeout: float) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={ranks}", HERE, "--rank-child", json.dumps(spec)]
     env = dict(os.environ, PYTHONPATH=ROOT)
-    names0 = common.shm_names()
+    names0 = procs.shm_names()
     try:
         with open(log_path, "w") as log:
             proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -419,20 +420,20 @@ def _tail(path: str, lines: int = 3) -> str:
 def _leftovers(torchrun: int, rank_pids: list, job_pids: set, names0: set) -> list:
     """What the job left after torchrun exited (bounded wait): live processes of its
     sessions, live job pids, and new /dev/shm names carrying a job pid. Killed by pid."""
-    import common
+    import procs
 
     deadline = time.monotonic() + CLEAN_WAIT_S
     while True:
-        table = common.processes()
+        table = procs.processes()
         sessions = {torchrun, *rank_pids}
         alive = sorted(p for p, proc in table.items() if proc.state not in ZOMBIE
                        and (proc.session in sessions or p in job_pids))
-        names = common.names_of(job_pids | {torchrun}, common.shm_names() - names0)
+        names = procs.names_of(job_pids | {torchrun}, procs.shm_names() - names0)
         if not (alive or names) or time.monotonic() > deadline:
             break
         time.sleep(0.1)
     kill_pids(alive)
-    return [f"process {p} ({common.cmdline(p)[:60]})" for p in alive] + [f"/dev/shm/{n}" for n in names]
+    return [f"process {p} ({procs.cmdline(p)[:60]})" for p in alive] + [f"/dev/shm/{n}" for n in names]
 
 
 # ---------------------------------------------------------------------------
@@ -467,6 +468,7 @@ ROWS = [  # metric, heading, format
 
 def table(raw, cfg) -> str:
     import common
+    import writers
 
     arms = [a for a in ARMS if a in cfg.arms_list]
     ratios = [(a, b) for a, b in (("node", "pool"), ("share", "pool"), ("pool", "torch"))
@@ -481,9 +483,9 @@ def table(raw, cfg) -> str:
         heads = ["metric"] + [ARM_LABEL[a] for a in arms] + [f"{a} ÷ {b}" for a, b in ratios]
         failed = [f"{ARM_LABEL[a]} failed {len(raw.errors[cell][a])}×: "
                   + "; ".join(sorted(set(raw.errors[cell][a]))) for a in arms if raw.errors[cell][a]]
-        out.append(f"### {cell} local ranks\n\n" + common.markdown_table(heads, rows)
+        out.append(f"### {cell} local ranks\n\n" + writers.markdown_table(heads, rows)
                    + "".join(f"\n\n{line}" for line in failed))
-    out.append("### Targets\n\n" + common.markdown_table(
+    out.append("### Targets\n\n" + writers.markdown_table(
         ["ranks", "target", "measured", "verdict"], targets(raw, cfg), "rlll"))
     return "\n\n".join(out)
 
@@ -583,6 +585,9 @@ def main(argv=None) -> int:
         return 0
     sys.path.insert(0, os.path.dirname(HERE))
     import common
+    import procs
+    import workload
+    import writers
 
     p = common.parser(NAME, __doc__, reps=(1, 1), warmup_reps=(0, 0))
     p.add_argument("--ranks", default="2,4", help="local rank counts, comma-separated (default 2,4)")
@@ -599,8 +604,8 @@ def main(argv=None) -> int:
     p.add_argument("--row", default="per_sample",
                    help="what crosses the boundary, a row of bench/handoff.py (default per_sample: "
                         "RF-DETR's 16 target dicts)")
-    p.add_argument("--resolution", type=int, default=common.RESOLUTION,
-                   help=f"image side (default {common.RESOLUTION})")
+    p.add_argument("--resolution", type=int, default=workload.RESOLUTION,
+                   help=f"image side (default {workload.RESOLUTION})")
     p.add_argument("--seed", type=int, default=0, help="DistributedSampler's seed")
     p.add_argument("--same-batches", action="store_true",
                    help="every rank's sampler gives the same batches (DistributedSampler("
@@ -628,8 +633,8 @@ def main(argv=None) -> int:
                 "draw identical batches; compare it with pool under the same samplers)")
     if cfg.num_workers < 1:
         p.error(f"--num-workers must be >= 1 (the bench compares worker processes), got {cfg.num_workers}")
-    if cfg.row not in common.ROW_LABEL:
-        p.error(f"--row {cfg.row!r}: choose from {', '.join(common.ROW_LABEL)}")
+    if cfg.row not in workload.ROW_LABEL:
+        p.error(f"--row {cfg.row!r}: choose from {', '.join(workload.ROW_LABEL)}")
     if cfg.node_workers not in (None, "total"):
         try:
             cfg.node_workers = int(cfg.node_workers)
@@ -670,10 +675,10 @@ def main(argv=None) -> int:
     head = (f"## One pool per node (bench/node.py{flags})\n\n"
             f"torchrun --standalone, gloo on CPU, one node; each rank a {sampler} "
             f"(shuffle, seed {cfg.seed}) and num_workers={cfg.num_workers} (fork); node arm's "
-            f"node_workers: {nw}; batch {common.BATCH} × {cfg.resolution}², row {cfg.row} "
-            f"({common.ROW_LABEL[cfg.row]}); per rank: first batch, {cfg.warmup_batches} warm-up, "
+            f"node_workers: {nw}; batch {workload.BATCH} × {cfg.resolution}², row {cfg.row} "
+            f"({workload.ROW_LABEL[cfg.row]}); per rank: first batch, {cfg.warmup_batches} warm-up, "
             f"{cfg.batches} timed batches of next()+del; {cfg.reps} rep(s), each arm its own "
-            f"torchrun job; this tree {here or '?'}; {common.env_line()}; 1-min load average "
+            f"torchrun job; this tree {here or '?'}; {writers.env_line()}; 1-min load average "
             f"{load0:.2f} at the start, {os.getloadavg()[0]:.2f} at the end; run took "
             f"{time.perf_counter() - t0:.0f} s.\n\n"
             "Per-rank rows: median [min–max] over every rank of every repetition; the others "
@@ -688,18 +693,18 @@ def main(argv=None) -> int:
             "do.\n\n")
     metrics = [m for m, _, _ in ROWS] + ["rank_pss_mib", "torchrun_pss_mib", "first_s_max",
                                          "worker_cpu_s"]
-    common.write_outputs(cfg, head + table(raw, cfg),
-                         {"raw": raw.as_json(), "summaries": common.summaries(raw, metrics, "pool"
-                                                                              if "pool" in cfg.arms_list
-                                                                              else None),
-                          "targets": targets(raw, cfg), "tree_rev": here})
+    writers.write_outputs(cfg, head + table(raw, cfg),
+                          {"raw": raw.as_json(), "summaries": common.summaries(raw, metrics, "pool"
+                                                                               if "pool" in cfg.arms_list
+                                                                               else None),
+                           "targets": targets(raw, cfg), "tree_rev": here})
     if cfg.plot:
-        common.plot_bars(cfg.plot, [f"{r} ranks" for r in raw.cells],
-                         {ARM_LABEL[a]: [common.summarize(raw.series(r, a, "pss_mib")) for r in raw.cells]
-                          for a in ARMS if a in cfg.arms_list},
-                         ylabel="node PSS, MiB (sum over the job's processes)",
-                         title=f"one pool per node: num_workers={cfg.num_workers} per rank")
-    return 0 if not common.wait_no_children() else 1
+        writers.plot_bars(cfg.plot, [f"{r} ranks" for r in raw.cells],
+                          {ARM_LABEL[a]: [common.summarize(raw.series(r, a, "pss_mib")) for r in raw.cells]
+                           for a in ARMS if a in cfg.arms_list},
+                          ylabel="node PSS, MiB (sum over the job's processes)",
+                          title=f"one pool per node: num_workers={cfg.num_workers} per rank")
+    return 0 if not procs.wait_no_children() else 1
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ Arms: `DataLoader` and `PoolLoader` with the same arguments (batch 16,
 `--workers` workers, default 2; prefetch_factor 2; default sharing strategy;
 PoolLoader at its default 1 MiB initial slots, grown in the warm-up).
 
-Method, per cell (payload size × arm), via bench/common.py: create the loader,
+Method, per cell (payload size × arm), via bench/common.py's `interleave` and
+bench/workload.py's `measure_loader`: create the loader,
 draw `workers × 2 + 4` warm-up batches untimed, then the timed ones (about
 `--mib-per-cell` of payload: at least `--batches`, at most 400 batches), each `next()`
 then `del`, nothing else (the data set holds more batches than
@@ -43,7 +44,10 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402
+import procs  # noqa: E402
 import torch  # noqa: E402
+import workload  # noqa: E402
+import writers  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 from poolloader import PoolLoader  # noqa: E402
@@ -90,10 +94,10 @@ def measure(mib, arm, args) -> dict:
     loader = LOADERS[arm](dataset, batch_size=BATCH, shuffle=False, num_workers=args.workers,
                           prefetch_factor=PREFETCH)
     try:
-        out = common.measure_loader(loader, warmup, batches, BATCH)
+        out = workload.measure_loader(loader, warmup, batches, BATCH)
     finally:
         del loader
-        left = common.wait_clean()
+        left = procs.wait_clean()
         if left:
             raise RuntimeError(f"left behind after the cell: {left}")
     out["gib_s"] = out["batch_s"] * mib / 1024
@@ -123,8 +127,8 @@ def render(raw, args) -> str:
     head = (f"Payload sweep: batch {BATCH} samples = 2 tensors, {args.workers} workers, "
             f"timed batches per cell after warm-up as listed, {args.reps} repetitions "
             f"(+{args.warmup_reps} warm-up), median [min–max]; ratios paired per repetition. "
-            f"main ms = main-thread CPU time of next() + del. {common.env_line()}.")
-    table = common.markdown_table(
+            f"main ms = main-thread CPU time of next() + del. {writers.env_line()}.")
+    table = writers.markdown_table(
         ["batch bytes", "timed batches", "DataLoader main ms", "PoolLoader main ms",
          "Pool/DL main ms", "DataLoader GiB/s", "PoolLoader GiB/s", "Pool/DL GiB/s",
          "DataLoader CPU ms/batch", "PoolLoader CPU ms/batch", "Pool/DL CPU"], rows)
@@ -133,7 +137,7 @@ def render(raw, args) -> str:
 
 def plot(raw, args):
     xs = list(raw.cells)
-    return common.plot_sweep(
+    return writers.plot_sweep(
         args.plot, xs, {arm: [common.summarize(raw.series(m, arm, "main_cpu_ms")) for m in xs]
                         for arm in ARMS},
         xlabel="batch payload (MiB)", ylabel="main-process CPU ms per batch (next + del)",
@@ -164,7 +168,7 @@ def main(argv=None) -> None:
     raw = common.interleave(sizes, ARMS, lambda mib, arm, rep: measure(mib, arm, args),
                             reps=args.reps, warmup_reps=args.warmup_reps, label=NAME)
     text = render(raw, args)
-    common.write_outputs(args, text, {
+    writers.write_outputs(args, text, {
         "raw": raw.as_json(),
         "summary": common.summaries(raw, METRICS, baseline="DataLoader")})
     if args.plot:

@@ -50,6 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402
 import posix_ipc  # noqa: E402
+import writers  # noqa: E402
 
 from poolloader.shm._ring import Ring  # noqa: E402
 from poolloader.shm._shm import Mapping  # noqa: E402
@@ -226,7 +227,7 @@ def speedup(raw: common.Raw, name: str, arm: str) -> common.Summary:
 def table(raw: common.Raw, cfg) -> str:
     head = (f"{cfg.round_trips:,} round trips (+{cfg.warmup:,} warm-up), {cfg.values:,} one-way "
             f"values, ring capacity {cfg.capacity}, {cfg.reps} rounds, start method "
-            f"{cfg.start_method}; {common.env_line()}")
+            f"{cfg.start_method}; {writers.env_line()}")
     rows = []
     for name, (label, unit, _, _) in MEASURES.items():
         for i, arm in enumerate(ARMS):
@@ -235,8 +236,8 @@ def table(raw: common.Raw, cfg) -> str:
             rows.append([f"{label} ({unit})" if i == 0 else "", shown,
                          common.cell_text(raw, name, arm, "value", ",.1f"), faster])
     return (f"### {NAME}\n\n{head}\n\n"
-            + common.markdown_table(["measure", "transport", "median [min–max]",
-                                     "ring is N× faster"], rows, "llrr") + "\n")
+            + writers.markdown_table(["measure", "transport", "median [min–max]",
+                                      "ring is N× faster"], rows, "llrr") + "\n")
 
 
 def main(argv=None):
@@ -253,7 +254,7 @@ def main(argv=None):
     cfg.values = cfg.values or (20_000 if quick else 200_000)
 
     raw = run(cfg)
-    common.write_outputs(cfg, table(raw, cfg), {
+    writers.write_outputs(cfg, table(raw, cfg), {
         "units": {m: MEASURES[m][1] for m in MEASURES}, "raw": raw.as_json(),
         "summary": {m: {arm: {"value": common.summarize(raw.series(m, arm, "value")).as_dict(),
                               "ring_speedup": speedup(raw, m, arm).as_dict()}

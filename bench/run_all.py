@@ -53,6 +53,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402
+import procs  # noqa: E402
+import writers  # noqa: E402
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 BENCHES = [
@@ -91,7 +93,7 @@ def run_one(name: str, args) -> dict:
             stdout, _ = proc.communicate(timeout=args.timeout)
             entry["status"] = "ok" if proc.returncode == 0 else f"exit {proc.returncode}"
         except subprocess.TimeoutExpired:
-            seen.update(common.session_pids(proc.pid))
+            seen.update(procs.session_pids(proc.pid))
             os.killpg(proc.pid, signal.SIGKILL)  # the session this script started
             stdout, _ = proc.communicate()
             entry["status"] = f"timed out after {args.timeout} s"
@@ -101,9 +103,9 @@ def run_one(name: str, args) -> dict:
     seen.add(proc.pid)
     deadline = time.monotonic() + 10
     while True:
-        alive = common.session_pids(proc.pid)
+        alive = procs.session_pids(proc.pid)
         seen.update(alive)
-        names = common.names_of(seen)
+        names = procs.names_of(seen)
         if not (alive or names) or time.monotonic() > deadline:
             break
         time.sleep(0.1)
@@ -116,10 +118,10 @@ def run_one(name: str, args) -> dict:
                 pass
     if names:
         entry["left_shm_names"] = names
-    common.write_text(os.path.join(out, f"{name}.stdout.txt"), stdout)
+    writers.write_text(os.path.join(out, f"{name}.stdout.txt"), stdout)
     files = {ext: os.path.join(out, f"{name}.{ext}") for ext in ("md", "json", "png")}
     if not os.path.exists(files["md"]):
-        common.write_text(files["md"], f"### {name}\n\n{stdout.strip()}\n")
+        writers.write_text(files["md"], f"### {name}\n\n{stdout.strip()}\n")
     entry["files"] = {k: os.path.relpath(v, out) for k, v in files.items() if os.path.exists(v)}
     pngs = sorted(f for f in os.listdir(out) if f.startswith(name) and f.endswith(".png"))
     entry["plots"] = pngs
@@ -132,13 +134,13 @@ def index(entries, args, total_s) -> str:
     lines = [
         "# poolloader benchmark results",
         "",
-        f"`python bench/run_all.py{' --quick' if args.quick else ''}` — {common.env_line()}; "
+        f"`python bench/run_all.py{' --quick' if args.quick else ''}` — {writers.env_line()}; "
         f"total {total_s:.0f} s. Every table compares torch's DataLoader and PoolLoader run "
         "side by side in one process run; each benchmark's docstring states its method. "
         "Absolute numbers on a shared 2-core machine are noise; the paired ratios are the figures. "
         "Load average (1 min) before → after each run shows other work on the machine.",
         "",
-        common.markdown_table(
+        writers.markdown_table(
             ["benchmark", "status", "wall s", "load before → after", "files"],
             [[e["name"], e["status"], e.get("wall_s", "–"),
               (f"{e['load_before'][0]:.1f} → {e['load_after'][0]:.1f}" if "load_before" in e
@@ -196,9 +198,9 @@ def main(argv=None) -> None:
     entries = [run_one(name, args) for name in names]
     total = time.monotonic() - start
     text = index(entries, args, total)
-    common.write_text(os.path.join(args.out, "README.md"), text)
-    common.write_json(os.path.join(args.out, "run_all.json"),
-                      {"quick": args.quick, "total_s": total, "benchmarks": entries})
+    writers.write_text(os.path.join(args.out, "README.md"), text)
+    writers.write_json(os.path.join(args.out, "run_all.json"),
+                       {"quick": args.quick, "total_s": total, "benchmarks": entries})
     print(text)
     failed = [e["name"] for e in entries if e["status"] != "ok"]
     if failed:

@@ -43,7 +43,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402
+import procs  # noqa: E402
 import torch  # noqa: E402
+import workload  # noqa: E402
+import writers  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from fixtures.shards import DecodeSample, shard_urls, write_shards  # noqa: E402
@@ -77,8 +80,8 @@ def parse_args(argv=None):
 
 def prepare(args, base):
     t0 = time.perf_counter()
-    root, ann = common.coco_like_data(args.images, 0,
-                                      os.path.join(args.data, "images") if args.data else None)
+    root, ann = workload.coco_like_data(args.images, 0,
+                                        os.path.join(args.data, "images") if args.data else None)
     print(f"{args.images} JPEGs ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     total = sum(os.path.getsize(os.path.join(root, f)) for f in os.listdir(root)
                 if f.endswith(".jpg"))
@@ -121,7 +124,7 @@ def make_loader(args, arm, root, ann, urls, rep):
 def measure(args, arm, root, ann, urls, rep):
     loader = make_loader(args, arm, root, ann, urls, rep)
     it = iter(loader)
-    common.note_workers(it)
+    procs.note_workers(it)
     images = batches = 0
     try:
         for _ in range(args.warmup_batches):
@@ -134,9 +137,9 @@ def measure(args, arm, root, ann, urls, rep):
             del batch
         elapsed = time.perf_counter() - t0
     finally:
-        common.shutdown_iterator(it)
+        workload.shutdown_iterator(it)
         del it, loader
-        left = common.wait_clean()
+        left = procs.wait_clean()
         if left:
             raise RuntimeError(f"left behind after the measurement: {left}")
     return {"img_s": images / elapsed, "images": images, "batches": batches, "seconds": elapsed}
@@ -157,9 +160,9 @@ def render(raw, args, counts, load, wall) -> str:
             f"DetectionCollate(pack=True); {len(counts)} shards ({min(counts)}-{max(counts)} "
             f"samples); {args.reps} interleaved repetitions, {args.warmup_batches} warm-up "
             f"batches excluded; median [min–max].")
-    table = common.markdown_table(
+    table = writers.markdown_table(
         ["input", "loader", "img/s", "PoolLoader / DataLoader", "shards / loose"], rows, "llrrr")
-    tail = (f"{common.env_line()}, load average {load[0]:.1f} -> {load[1]:.1f}; "
+    tail = (f"{writers.env_line()}, load average {load[0]:.1f} -> {load[1]:.1f}; "
             f"total {wall:.0f} s.")
     return f"### {NAME}\n\n{head}\n\n{table}\n\n{tail}\n"
 
@@ -185,8 +188,8 @@ def main(argv=None):
             shutil.rmtree(base, ignore_errors=True)
     text = render(raw, args, counts, (load_start, os.getloadavg()[0]),
                   time.perf_counter() - t_start)
-    common.write_outputs(args, text, {"shard_counts": counts, "raw": raw.as_json(),
-                                      "summary": common.summaries(raw, ["img_s"])})
+    writers.write_outputs(args, text, {"shard_counts": counts, "raw": raw.as_json(),
+                                       "summary": common.summaries(raw, ["img_s"])})
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 (read request, fetch, collate, encode, capture), for PoolLoader with and without
 pin_memory and without resume capture, beside DataLoader's total, in one run.
 
-Data: the RF-DETR shape of bench/handoff.py (`common.RFDETRShaped`, batch 16,
+Data: the RF-DETR shape of bench/handoff.py (`workload.RFDETRShaped`, batch 16,
 576x576), rows `packed` (images, mask, targets packed one tensor per field) and
 `per_sample` (the 16 target dicts as they are: 114 tensors).
 
@@ -63,11 +63,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
 import common  # noqa: E402
+import procs  # noqa: E402
 import torch  # noqa: E402
-from common import BATCH  # noqa: E402
+import workload  # noqa: E402
+import writers  # noqa: E402
 from handoff import wait_ready  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 from torch.utils.data._utils import fetch as torch_fetch  # noqa: E402
+from workload import BATCH  # noqa: E402
 
 from poolloader import PoolLoader  # noqa: E402
 from poolloader.cuda import gate as cuda
@@ -220,8 +223,8 @@ def make_loader(arm: str, row: str, workers: int, dataset, batches: int, cfg, cl
               drop_last=True, prefetch_factor=cfg.prefetch, timeout=60,
               multiprocessing_context="fork")
     if arm == "dl":
-        return DataLoader(dataset, collate_fn=common.RFDETRCollate(row, False), **kw), None
-    kw.update(collate_fn=TimedCollate(common.RFDETRCollate(row, True)), worker_init_fn=clocks.init)
+        return DataLoader(dataset, collate_fn=workload.RFDETRCollate(row, False), **kw), None
+    kw.update(collate_fn=TimedCollate(workload.RFDETRCollate(row, True)), worker_init_fn=clocks.init)
     if arm == "pool_nostate":
         return PoolLoader(dataset, stateful=False, **kw), None
     if arm == "pool_pin":
@@ -265,7 +268,7 @@ def run_cell(arm: str, row: str, workers: int, dataset, cfg) -> dict:
     it = iter(loader)
     res: dict = {}
     try:
-        common.note_workers(it)
+        procs.note_workers(it)
         side = sim.stream(0, "training") if sim is not None else None
         for _ in range(warmup):
             batch = next(it)
@@ -292,7 +295,7 @@ def run_cell(arm: str, row: str, workers: int, dataset, cfg) -> dict:
         it._shutdown_workers()
         del it, loader
         gc.collect()
-        common.wait_no_children()
+        procs.wait_no_children()
     return res
 
 
@@ -344,8 +347,8 @@ def parse_args(argv=None):
     args.workers_list = [int(x) for x in (args.workers or ("2" if args.quick else "2,4")).split(",")]
     args.rows_list = [r.strip() for r in args.rows.split(",") if r.strip()]
     for r in args.rows_list:
-        if r not in common.ROW_LABEL:
-            p.error(f"unknown row {r!r}; choose from {', '.join(common.ROW_LABEL)}")
+        if r not in workload.ROW_LABEL:
+            p.error(f"unknown row {r!r}; choose from {', '.join(workload.ROW_LABEL)}")
     args.samples = args.samples or (10 if args.quick else 30)
     args.settle_s, args.max_settle_s = args.settle_ms / 1e3, args.max_settle_ms / 1e3
     return args
@@ -355,7 +358,7 @@ def main(argv=None) -> int:
     cfg = parse_args(argv)
     in_flight = max(cfg.workers_list) * cfg.prefetch
     per_cell = 2 * (in_flight + 2) + 2 + 2 * cfg.samples + in_flight + 2
-    dataset = common.RFDETRShaped(per_cell * BATCH)
+    dataset = workload.RFDETRShaped(per_cell * BATCH)
     install_main_clock()
     MAIN.on = False
     cells = [(w, row) for w in cfg.workers_list for row in cfg.rows_list]
@@ -366,7 +369,7 @@ def main(argv=None) -> int:
                             show=lambda m: f"next+del {m['total_us']:.0f} µs")
     MAIN.unwrap()
     header = [f"## per-stage cost of a batch (bench/stages.py{' --quick' if cfg.quick else ''})", "",
-              f"batch {BATCH}, {common.RESOLUTION}×{common.RESOLUTION}, RF-DETR shape, cheap "
+              f"batch {BATCH}, {workload.RESOLUTION}×{workload.RESOLUTION}, RF-DETR shape, cheap "
               f"dataset; prefetch_factor={cfg.prefetch}; {cfg.reps} reps × {cfg.samples} timed "
               f"next()+del per phase after a full prefetch queue; {os.cpu_count()} CPUs, torch "
               f"{torch.__version__}, Python {platform.python_version()}; 1-min load average "
@@ -375,9 +378,9 @@ def main(argv=None) -> int:
               "", "next+del: plain wall time (compare loaders with it); the stages come from a "
               "second, instrumented phase (its total is above the plain one by the timers' cost)."]
     text = "\n".join(header) + "\n" + table(raw, cfg.workers_list, cfg.rows_list)
-    common.write_outputs(cfg, text, {"raw": raw.as_json(), "workers": cfg.workers_list,
-                                     "rows": cfg.rows_list, "samples": cfg.samples})
-    return 0 if not common.wait_no_children() else 1
+    writers.write_outputs(cfg, text, {"raw": raw.as_json(), "workers": cfg.workers_list,
+                                      "rows": cfg.rows_list, "samples": cfg.samples})
+    return 0 if not procs.wait_no_children() else 1
 
 
 if __name__ == "__main__":

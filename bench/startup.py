@@ -39,7 +39,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402
+import procs  # noqa: E402
 import torch  # noqa: E402
+import writers  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 from poolloader import PoolLoader  # noqa: E402
@@ -85,7 +87,7 @@ def measure(cell, arm: str, data, cfg) -> dict:
                  multiprocessing_context=multiprocessing.get_context(method))
     t0 = time.perf_counter()
     it = iter(loader)
-    common.note_workers(it)
+    procs.note_workers(it)
     first = next(it)
     t_first = time.perf_counter() - t0
     assert int(first[0, 0, 0, 0]) == 0
@@ -97,7 +99,7 @@ def measure(cell, arm: str, data, cfg) -> dict:
     if count != cfg.batches:
         raise common.BenchError(f"{count} batches, expected {cfg.batches}")
     del it, loader
-    common.wait_no_children()
+    procs.wait_no_children()
     return {"first_s": t_first, "epoch_s": t_epoch}
 
 
@@ -114,10 +116,10 @@ def report(raw: common.Raw, meta: dict) -> str:
     head = (f"## Start-up (bench/startup.py{' --quick' if meta['quick'] else ''})\n\n"
             f"dataset: {meta['images']} images of COCO-style Python state, pickle "
             f"{meta['state_bytes'] / 1e6:.0f} MB; batch {BATCH}, {meta['batches']} batches per "
-            f"epoch; {meta['reps']} reps; {common.env_line()}\n\n"
+            f"epoch; {meta['reps']} reps; {writers.env_line()}\n\n"
             "first = s from iter() to the first batch; epoch = s from iter() to the epoch's end "
             "(median [min–max]); DL ÷ Pool paired per repetition.\n\n")
-    return head + common.markdown_table(
+    return head + writers.markdown_table(
         ["start method", "workers", "loader", "first s", "epoch s", "DL ÷ Pool first",
          "DL ÷ Pool epoch"], rows, "llrrrrr")
 
@@ -136,10 +138,10 @@ def main(argv=None) -> int:
     raw = common.interleave(cells, ["dl", "pool"], lambda cell, arm, rep: measure(cell, arm, data, cfg),
                             reps=cfg.reps, warmup_reps=cfg.warmup_reps, label=NAME)
     meta = {"quick": cfg.quick, "images": len(data), "state_bytes": state_bytes,
-            "batches": cfg.batches, "reps": cfg.reps, **common.environment()}
+            "batches": cfg.batches, "reps": cfg.reps, **writers.environment()}
     text = report(raw, meta)
-    common.write_outputs(cfg, text, {"meta": meta, "raw": raw.as_json(),
-                                     "summary": common.summaries(raw, ["first_s", "epoch_s"], "dl")})
+    writers.write_outputs(cfg, text, {"meta": meta, "raw": raw.as_json(),
+                                      "summary": common.summaries(raw, ["first_s", "epoch_s"], "dl")})
     return 0
 
 

@@ -37,9 +37,9 @@ Usage::
     python bench/state.py [--quick] [--reps N] [--out DIR] [--json PATH] [--baseline REV]
 
 It runs on bench/common.py's parser (`--reps`: the rounds of part 2, and of the repeats
-of parts 2 and 3), summary ("median [min–max]") and writers. common.py is imported only
-in the parent: it puts this tree first on sys.path, and the per-batch child must import
-the tree it was started in.
+of parts 2 and 3) and summary ("median [min–max]"), bench/revisions.py's baseline tree and
+bench/writers.py. They are imported only in the parent: common.py puts this tree first on
+sys.path, and the per-batch child must import the tree it was started in.
 """
 from __future__ import annotations
 
@@ -291,6 +291,8 @@ def main() -> None:
         return
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import common
+    import revisions
+    import writers
 
     parser = common.parser("state", __doc__, reps=(5, 3), warmup_reps=(0, 0))
     parser.add_argument("--workers", default="2,8,32")
@@ -386,7 +388,7 @@ def main() -> None:
     if args.baseline:
         tmp = tempfile.mkdtemp(prefix="plstate-")
         try:
-            base = common.baseline_tree(args.baseline, tmp)
+            base = revisions.baseline_tree(args.baseline, tmp)
             trees = {"baseline": base, "this tree": ROOT}
             results = {name: {"wall": [], "cpu": []} for name in trees}
             for r in range(2 * args.rounds):
@@ -411,7 +413,7 @@ def main() -> None:
             say(f"\nDifference of medians: wall {diff['wall']:+.1f} µs, CPU {diff['cpu']:+.1f} µs "
                   "per batch.\n")
         finally:
-            common.remove_baseline_tree(tmp)
+            revisions.remove_baseline_tree(tmp)
 
     # 3
     cap = measure_capture(args.rounds * 4)
@@ -421,9 +423,9 @@ def main() -> None:
           f"{med_range(cap['capture_us'])} µs, {cap['record_bytes']:,} bytes.\n")
 
     if args.markdown:
-        common.write_text(args.markdown, "\n".join(text))
+        writers.write_text(args.markdown, "\n".join(text))
     if args.json:
-        common.write_json(args.json, {"bench": "state", "config": vars(args), **raw})
+        writers.write_json(args.json, {"bench": "state", "config": vars(args), **raw})
 
 
 if __name__ == "__main__":

@@ -34,6 +34,8 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402
+import workload  # noqa: E402
+import writers  # noqa: E402
 
 NAME = "train"
 SCRIPT = os.path.join(common.REPO, "examples", "train_detector.py")
@@ -92,8 +94,8 @@ def render(raw, args, losses) -> str:
             f"{args.resolution}² JPEG pipeline, {args.workers} workers, persistent workers, "
             f"main process 1 thread; img/s after the script's 3 warm-up steps; {args.reps} "
             f"repetitions (+{args.warmup_reps} warm-up), median [min–max]; ratios paired per "
-            f"repetition. {common.env_line()}.")
-    table = common.markdown_table(
+            f"repetition. {writers.env_line()}.")
+    table = writers.markdown_table(
         ["targets", "DataLoader img/s", "PoolLoader img/s", "Pool/DL img/s",
          "DataLoader data wait", "PoolLoader data wait", "final loss", "same losses"], rows)
     return f"### {NAME}\n\n{head}\n\n{table}\n"
@@ -104,7 +106,7 @@ def plot(raw, args, losses):
     for targets, runs in losses.items():
         for arm, values in runs:
             curves.setdefault(f"{arm} ({targets})", values)
-    return common.plot_bars(
+    return writers.plot_bars(
         args.plot, list(raw.cells),
         {arm: [common.summarize(raw.series(t, arm, "steady_img_per_s")) for t in raw.cells]
          for arm in ARMS},
@@ -128,14 +130,14 @@ def main(argv=None) -> None:
     args = common.parse(p, argv)
     args.steps = args.steps or (40 if args.quick else 100)
     args.targets = args.targets or ("dicts" if args.quick else "dicts,packed")
-    args.data, _ = common.coco_like_data(args.images, args.seed, args.data)
+    args.data, _ = workload.coco_like_data(args.images, args.seed, args.data)
 
     losses: dict = {}
     cells = args.targets.split(",")
     raw = common.interleave(cells, ARMS, lambda t, arm, rep: measure(t, arm, args, losses),
                             reps=args.reps, warmup_reps=args.warmup_reps, label=NAME)
     text = render(raw, args, losses)
-    common.write_outputs(args, text, {
+    writers.write_outputs(args, text, {
         "raw": raw.as_json(),
         "same_losses": {t: same_losses(losses, t) for t in cells},
         "losses": {t: [{"arm": a, "losses": l} for a, l in runs]

@@ -15,7 +15,8 @@ Arms: `torch.utils.data.DataLoader` and `PoolLoader` with the same arguments
 (batch 16, shuffle off, prefetch_factor 2, pin_memory off, default sharing
 strategy, PoolLoader at its default 1 MiB initial slots).
 
-Method, per cell (dataset × worker count × arm), via bench/common.py:
+Method, per cell (dataset × worker count × arm), via bench/common.py's
+`interleave` and bench/workload.py's `measure_loader`:
 create the loader, iterate it; `workers × 2 + 4` warm-up batches are drawn
 and dropped untimed (worker start, every slot's first growth); then `--batches`
 batches are timed (the data set holds `workers × 2 + 2` more batches than are
@@ -46,7 +47,10 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402
+import procs  # noqa: E402
 import torch  # noqa: E402
+import workload  # noqa: E402
+import writers  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from fixtures.synthetic import CocoLikeDataset, FilledDetectionDataset  # noqa: E402
@@ -78,7 +82,7 @@ def make_dataset(kind: str, length: int, args):
     if kind == "filled":
         return FilledDetectionDataset(length, resolution=576, instances=7, seed=args.seed)
     if kind == "jpeg":
-        root, ann = common.coco_like_data(args.images, args.seed)
+        root, ann = workload.coco_like_data(args.images, args.seed)
         return Cycled(CocoLikeDataset(root, ann, resolution=args.resolution), length)
     raise ValueError(f"unknown dataset {kind!r}; choose filled or jpeg")
 
@@ -94,10 +98,10 @@ def measure(cell, arm, args) -> dict:
                           collate_fn=DetectionCollate(pack=args.targets == "packed"),
                           prefetch_factor=PREFETCH)
     try:
-        return common.measure_loader(loader, warmup, batches, BATCH)
+        return workload.measure_loader(loader, warmup, batches, BATCH)
     finally:
         del loader
-        left = common.wait_clean()
+        left = procs.wait_clean()
         if left:
             raise RuntimeError(f"left behind after the cell: {left}")
 
@@ -125,8 +129,8 @@ def render(raw, args) -> str:
     head = (f"Loader throughput vs num_workers: batch {BATCH}, targets {args.targets}, "
             f"{args.batches} timed batches (jpeg {args.jpeg_batches}) per cell after warm-up, "
             f"{args.reps} repetitions (+{args.warmup_reps} warm-up), median [min–max]; "
-            f"ratios paired per repetition. {common.env_line()}.")
-    table = common.markdown_table(
+            f"ratios paired per repetition. {writers.env_line()}.")
+    table = writers.markdown_table(
         ["data", "workers", "DataLoader img/s", "PoolLoader img/s", "Pool/DL img/s",
          "DataLoader main ms/batch", "PoolLoader main ms/batch", "Pool/DL main ms",
          "DataLoader CPU ms/batch", "PoolLoader CPU ms/batch", "Pool/DL CPU"], rows)
@@ -140,7 +144,7 @@ def plot(raw, args) -> str | None:
         cells = [c for c in raw.cells if c[0] == kind]
         xs = [w for _, w in cells]
         path = args.plot if len(kinds) == 1 else args.plot.replace(".png", f"-{kind}.png")
-        done = common.plot_sweep(
+        done = writers.plot_sweep(
             path, xs, {arm: [common.summarize(raw.series(c, arm, "img_s")) for c in cells]
                        for arm in ARMS},
             xlabel="num_workers", ylabel="img/s",
@@ -173,13 +177,13 @@ def main(argv=None) -> None:
     args.jpeg_batches = args.jpeg_batches or (8 if q else 24)
     args.resolution = args.resolution or (320 if q else 576)
     if "jpeg" in kinds:
-        common.coco_like_data(args.images, args.seed)  # generate before anything is timed
+        workload.coco_like_data(args.images, args.seed)  # generate before anything is timed
 
     cells = [(kind, w) for kind in kinds for w in workers]
     raw = common.interleave(cells, ARMS, lambda cell, arm, rep: measure(cell, arm, args),
                             reps=args.reps, warmup_reps=args.warmup_reps, label=NAME)
     text = render(raw, args)
-    common.write_outputs(args, text, {
+    writers.write_outputs(args, text, {
         "raw": raw.as_json(),
         "summary": common.summaries(raw, METRICS, baseline="DataLoader")})
     if args.plot:
