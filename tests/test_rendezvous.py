@@ -91,13 +91,18 @@ def test_a_name_held_by_another_job_is_an_error_that_says_so(monkeypatch):
 
 def test_the_name_carries_what_only_the_job_knows(monkeypatch):
     """Two jobs that differ only in what /proc shows no other user (torchrun's run id,
-    its master port) get other names."""
+    its master port, its log folder's random name) get other names; the local ranks of
+    one job, the same."""
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setenv("POOLLOADER_NODE_RANK_PID", str(os.getpid()))
     names = set()
-    for run_id, port in (("a", "29500"), ("b", "29500"), ("a", "29501")):
+    logs = "/tmp/torchelastic_{}/run_{}/attempt_0/{}/error.json"
+    for run_id, port, folder in (("a", "29500", "x"), ("b", "29500", "x"), ("a", "29501", "x"),
+                                 ("a", "29500", "y")):
         monkeypatch.setenv("TORCHELASTIC_RUN_ID", run_id)
         monkeypatch.setenv("MASTER_PORT", port)
-        names.add(rendezvous.address(rendezvous.local_group().run_key, "node/x/0"))
-    assert len(names) == 3
+        for local_rank in (0, 1):  # each rank's own error file: the same name
+            monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", logs.format(folder, folder, local_rank))
+            names.add(rendezvous.address(rendezvous.local_group().run_key, "node/x/0"))
+    assert len(names) == 4

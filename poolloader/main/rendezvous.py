@@ -15,8 +15,8 @@ one, and a rank never joins a loader built at another place.
 The name (`address`): an abstract Unix socket (nothing on disk or in /dev/shm; it goes
 with its holder) named from the uid, the PID namespace, a hash of the job (torchrun's
 agent, run id, node rank and restart, or the local ranks' pids) with a part no other
-user can read (torchrun's run id and master port from the environment, which /proc
-shows only to this user; through torch.distributed, a random token each rank put in
+user can read (torchrun's run id, master port and the random name of its log folder,
+from the environment, which /proc shows only to this user; through torch.distributed, a random token each rank put in
 the store), the kind of meeting and the place. `meet`: the first rank to bind the name
 hosts, the others connect; a name held by anyone else is an error naming them. Both ends
 check the other's uid and that it is a local rank of this job (SO_PEERCRED) before
@@ -92,9 +92,11 @@ def local_group() -> LocalGroup | None:
     except (KeyError, ValueError):
         ranks = None
     # the agent's pid: torchrun's default run id, "none", is shared by every job; the run
-    # id and master port as the unreadable part (module docstring)
+    # id, master port and the agent's log folder (a random name inside a folder only
+    # this user may list) as the part no other user can read (module docstring)
+    logs = env.get("TORCHELASTIC_ERROR_FILE", "").split("/attempt_")[0]
     key = f"torchrun/{os.getppid()}/{run_id}/{env.get('GROUP_RANK', '0')}/" \
-          f"{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/{env.get('MASTER_PORT', '')}"
+          f"{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/{env.get('MASTER_PORT', '')}/{logs}"
     return LocalGroup(rank, size, key, ranks)
 
 
