@@ -318,7 +318,8 @@ class SlotPool:
         (docs/node.md, share_batches, "On CUDA"); its pages then stay the ones pinned
         (renew_view copies each batch into them)."""
         if not isinstance(key, int):
-            raise RuntimeError(f"internal error: a private view needs a memfd segment, got {key!r}")
+            raise RuntimeError(f"internal error: a private view needs a segment descriptor, got "
+                               f"{key!r}")
         view = Mapping(key, mapping.size, True, True)
         if self._on_map is not None:
             view.pull(mapping, 0, mapping.size)
