@@ -16,11 +16,11 @@ The name (`address`): an abstract Unix socket (nothing on disk or in /dev/shm; i
 with its holder) named from the uid, the PID namespace, a hash of the job (torchrun's
 agent, run id, node rank and restart, or the local ranks' pids) with a part no other
 user can read (torchrun's run id, master port and the random name of its log folder,
-from the environment, which /proc shows only to this user; through torch.distributed, a random token each rank put in
-the store), the kind of meeting and the place. `meet`: the first rank to bind the name
-hosts, the others connect; a name held by anyone else is an error naming them. Both ends
-check the other's uid and that it is a local rank of this job (SO_PEERCRED) before
-anything it sends is unpickled.
+from the environment, which /proc shows only to this user; through torch.distributed,
+a random token each rank put in the store), the kind of meeting and the place. `meet`:
+the first rank to bind the name hosts, the others connect; a name held by anyone else
+is an error naming them. Both ends check the other's uid and that it is a local rank of
+this job (SO_PEERCRED) before anything it sends is unpickled.
 
 Messages: a 4-byte length, then a pickle, over SOCK_STREAM (`send`, `recv`); every
 wait is `wait_readable`'s poll (no select(): a descriptor above 1024 is fine).
