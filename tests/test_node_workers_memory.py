@@ -158,6 +158,7 @@ def test_a_pool_the_node_process_cannot_open_is_the_live_rank_s_error_at_once(tm
     assert error.startswith("WorkerDied: "), (result, text)
     assert "Too many open files" in error and "killed for memory" not in error, error
     assert result["seconds"] < 10, result  # at once, not after timeout=30
-    # the node process's traceback, on its stderr (rank 0's, whose child it is)
-    assert "Traceback (most recent call last)" in texts[0] and "[Errno 24]" in texts[0], text
+    # the node process's traceback, on its stderr: the hosting rank's, whose child it is
+    # (the first rank to build the loader: either)
+    assert any("Traceback (most recent call last)" in t and "[Errno 24]" in t for t in texts), text
 
