@@ -4,7 +4,8 @@
 Kept apart so that whatever could crash (a ring with corrupt fields), hang, or must
 run as PID 1 of a new PID namespace runs in its own interpreter under the test's
 timeout. Each body reports on stdout: `READY ...` lines where the test must act, and
-one `RESULT <json>` line at the end.
+one `RESULT <json>` line at the end (`each` runs one body for several modes: a RESULT
+per mode).
 """
 import json
 import os
@@ -343,6 +344,14 @@ def corrupt_live_loader(mode):
         exitcodes[w.pid] = w.exitcode
     _result(mode=mode, error=error, message=message, delivered=delivered, took=took,
             worker_exitcodes=exitcodes, names=names_with(prefix))
+
+
+def each(body, *modes):
+    """`body(mode)` for every mode in turn, in this one interpreter (one torch import
+    for all): `MODE <mode>` before each, so a crash shows where; each prints its RESULT."""
+    for mode in modes:
+        print(f"MODE {mode}", flush=True)
+        globals()[body](mode)
 
 
 if __name__ == "__main__":

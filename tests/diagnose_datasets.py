@@ -13,16 +13,20 @@ GATE_TIMEOUT_S = 60.0  # a gate never released still lets the worker go (bounded
 
 class BlockOnSample(Dataset):
     """Sample i in `gates` blocks in __getitem__ until its gate (a multiprocessing
-    Event) is set; every other sample is its index."""
+    Event) is set; every other sample is its index. Sample i in `reached` sets its
+    Event as its __getitem__ begins (so main can tell a worker has started)."""
 
-    def __init__(self, gates: dict, n: int = 30):
+    def __init__(self, gates: dict, n: int = 30, reached: dict | None = None):
         self.gates = gates
         self.n = n
+        self.reached = reached or {}
 
     def __len__(self):
         return self.n
 
     def __getitem__(self, i):
+        if i in self.reached:
+            self.reached[i].set()
         gate = self.gates.get(i)
         if gate is not None:
             gate.wait(GATE_TIMEOUT_S)  # the blocking line a stall report must show

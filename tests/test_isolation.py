@@ -289,14 +289,44 @@ def test_workers_keep_the_pool_when_the_forkserver_dies():
 
 # -- 3. untrusted bytes --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("mode", ["capacity_zero", "capacity_huge", "tail_far_ahead", "head_past_tail"])
-def test_a_ring_with_overwritten_fields_raises_and_writes_nothing_outside(mode):
+CORRUPTIONS = ["capacity_zero", "capacity_huge", "tail_far_ahead", "head_past_tail"]
+
+
+def _each_mode(body: str, modes: list[str], timeout: float):
+    """Run `body` of _isolation_children.py for every mode in one child (one interpreter
+    start instead of one a mode); (the process, {mode: its RESULT}). A mode the child
+    did not finish has no RESULT: its test fails with the child's output."""
+    with pytest.MonkeyPatch.context() as patch:  # module scope: before posix_backend
+        patch.setenv("POOLLOADER_SHM_BACKEND", "posix")
+        try:
+            proc = subprocess.run([sys.executable, CHILDREN, "each", body, *modes],
+                                  capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            pytest.fail(f"child {body} {modes} still running after {timeout} s:\n{e.stdout}\n{e.stderr}")
+    results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines()
+               if line.startswith("RESULT ")]
+    return proc, {result["mode"]: result for result in results}
+
+
+@pytest.fixture(scope="module")
+def corrupt_rings():
+    return _each_mode("corrupt_ring", CORRUPTIONS, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def corrupt_live_loaders():
+    return _each_mode("corrupt_live_loader", [*CORRUPTIONS, "slot_outside_pool"], timeout=300)
+
+
+@pytest.mark.parametrize("mode", CORRUPTIONS)
+def test_a_ring_with_overwritten_fields_raises_and_writes_nothing_outside(corrupt_rings, mode):
     """A ring holding four values gets one field overwritten. push and pop raise
     ControlCorrupt naming the ring (and keep raising), len is an error or a count within
     capacity, attaching refuses a bad capacity, and the page after the ring is untouched.
-    In a child: before the fix, capacity 0 was SIGFPE."""
-    proc, result = run_child("corrupt_ring", mode, timeout=60)
-    assert proc.returncode == 0, describe(proc)
+    In a child (all four modes in one): before the fix, capacity 0 was SIGFPE."""
+    proc, results = corrupt_rings
+    assert proc.returncode == 0 and mode in results, describe(proc)
+    result = results[mode]
     out = result["outcomes"]
     print("\n".join(f"{op}: {what}" for op, what in out.items()))
     for op in ("push", "pop"):
@@ -309,15 +339,17 @@ def test_a_ring_with_overwritten_fields_raises_and_writes_nothing_outside(mode):
         assert out["attach"] == "returned 5"
 
 
-@pytest.mark.parametrize("mode", ["capacity_zero", "capacity_huge", "tail_far_ahead", "head_past_tail"])
-def test_a_live_loaders_overwritten_rings_are_a_clear_error_in_main(mode):
+@pytest.mark.parametrize("mode", CORRUPTIONS)
+def test_a_live_loaders_overwritten_rings_are_a_clear_error_in_main(corrupt_live_loaders, mode):
     """A worker-like process maps a live loader's control block and overwrites one field
     of every ring while the workers are idle. main's next request or reply then meets a
     ring it cannot trust: ControlCorrupt naming the ring, at once, and nothing crashes
-    (before the fix: SIGFPE for capacity 0, a silent pass for the counters)."""
-    proc, result = run_child("corrupt_live_loader", mode, timeout=120)
+    (before the fix: SIGFPE for capacity 0, a silent pass for the counters). One child
+    runs every mode's loader in turn (and the next test's), each with a pool of its own."""
+    proc, results = corrupt_live_loaders
+    assert proc.returncode == 0 and mode in results, describe(proc)
+    result = results[mode]
     print(result)
-    assert proc.returncode == 0, describe(proc)
     assert result["error"] == "ControlCorrupt", result
     assert "ring of worker" in result["message"] and "overwritten" in result["message"], result
     assert result["took"] < 5.0, result
@@ -325,14 +357,16 @@ def test_a_live_loaders_overwritten_rings_are_a_clear_error_in_main(mode):
     assert not result["names"], result
 
 
-def test_a_slot_index_outside_the_pool_stops_its_worker_not_main():
+def test_a_slot_index_outside_the_pool_stops_its_worker_not_main(corrupt_live_loaders):
     """A worker-like process pushes slot -5 on worker 0's request ring. Before the fix
     the worker indexed the slot table with it (numpy wraps -5 to a real slot) and wrote a
     batch into a slot main owned; now the worker refuses it and dies, and main reports
-    WorkerDied naming the worker."""
-    proc, result = run_child("corrupt_live_loader", "slot_outside_pool", timeout=120)
+    WorkerDied naming the worker. (The child's stderr is every mode's: only this one
+    pushes a slot index, so the line can only be this worker's.)"""
+    proc, results = corrupt_live_loaders
+    assert proc.returncode == 0 and "slot_outside_pool" in results, describe(proc)
+    result = results["slot_outside_pool"]
     print(result)
-    assert proc.returncode == 0, describe(proc)
     assert result["error"] == "WorkerDied", result
     assert "worker 0" in result["message"] and "exit code 1" in result["message"], result
     assert "slot -5, outside the pool" in proc.stderr, proc.stderr[-3000:]

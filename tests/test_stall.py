@@ -39,12 +39,15 @@ def test_timeout_error_names_the_worker_its_samples_and_the_blocking_line(method
     gate = ctx.Event()
     # timeout= bounds the first next() too, which waits for the workers to start: a
     # spawned worker imports torch, which alone took over 5 s on this 2-core machine
-    # while other jobs ran (the test then saw no batch at all)
-    timeout = 5 if method == "fork" else 20
-    loader = PoolLoader(dd.BlockOnSample({13: gate}, n=30), batch_size=3, num_workers=2,
-                        timeout=timeout, multiprocessing_context=ctx)
+    # while other jobs ran. So the first next() comes once both workers have begun
+    # their first sample (0: worker 0's, 3: worker 1's), as the fork case's do at once.
+    reached = {0: ctx.Event(), 3: ctx.Event()}
+    timeout = 5
+    loader = PoolLoader(dd.BlockOnSample({13: gate}, n=30, reached=reached), batch_size=3,
+                        num_workers=2, timeout=timeout, multiprocessing_context=ctx)
     started = time.monotonic()
     it = iter(loader)
+    assert all(event.wait(60) for event in reached.values()), "the workers did not start in 60 s"
     got = []
     try:
         with pytest.raises(RuntimeError) as info:
