@@ -148,13 +148,21 @@ class ShareFollower(rendezvous.Users):
             if warn_at is not None and time.monotonic() >= warn_at:
                 warn_at = None  # once per stall: the next wait that stalls warns again
                 self._warn_stall(time.monotonic() - started, what)
-        try:
-            with fork.creating():  # a fork from another thread never inherits these
-                data, fds, _flags, _addr = socket.recv_fds(sock, MAX_MESSAGE, 1)
-                for fd in fds:
-                    fork.hold(fd)
-        except OSError:
-            data, fds = b"", []
+        data: bytes = b""
+        fds: list[int] = []
+        for _ in range(2):
+            try:
+                with fork.creating():  # a fork from another thread never inherits these
+                    data, fds, _flags, _addr = socket.recv_fds(sock, MAX_MESSAGE, 1)
+                    for fd in fds:
+                        fork.hold(fd)
+                break
+            except ConnectionResetError:
+                # the leader closed with this rank's releases unread: Linux reports that
+                # once, before the messages it sent first (read them, then the end)
+                continue
+            except OSError:
+                break
         if not data:
             raise WorkerDied(f"PoolLoader(share_batches=...): rank {self.leader} (pid "
                              f"{self.leader_pid}), whose batches this rank {self.rank} shares, "
