@@ -836,15 +836,22 @@ def read_pid(rank: int) -> int:
     return read("pid", rank)
 
 
-if __name__ == "__main__":
+def run_rank(case_main) -> None:
+    """A rank's life, for this script and the ones that reuse its helpers: note its pid,
+    join torch.distributed under DIST, run `case_main()` and write its result to
+    OUT/rank<RANK>.json; exit 1 with the traceback printed if it raised."""
     note("pid", os.getpid())
     if DIST:
         torch.distributed.init_process_group("gloo", init_method=f"file://{DIST}", rank=RANK,
                                              world_size=WORLD)
     try:
-        result = main()
+        result = case_main()
     except BaseException:
         traceback.print_exc()
         sys.exit(1)
     with open(os.path.join(OUT, f"rank{RANK}.json"), "w") as f:
         json.dump(result, f)
+
+
+if __name__ == "__main__":
+    run_rank(main)

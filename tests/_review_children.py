@@ -23,12 +23,10 @@ from __future__ import annotations
 
 import copy
 import gc
-import json
 import os
 import pickle
 import sys
 import time
-import traceback
 import warnings
 
 import _node_children as nc
@@ -203,11 +201,4 @@ def main() -> dict:
 
 
 if __name__ == "__main__":
-    note("pid", os.getpid())
-    try:
-        result = main()
-    except BaseException:
-        traceback.print_exc()
-        sys.exit(1)
-    with open(os.path.join(OUT, f"rank{RANK}.json"), "w") as f:
-        json.dump(result, f)
+    nc.run_rank(main)

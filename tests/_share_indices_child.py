@@ -11,10 +11,8 @@ Cases:
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
-import traceback
 
 import torch
 from torch.utils.data import DataLoader, Sampler
@@ -24,13 +22,13 @@ sys.path.insert(0, HERE)
 from _node_children import (  # noqa: E402  (reads CASE, OUT, ARG from sys.argv as this does)
     ARG,
     CASE,
-    OUT,
     RANK,
     WORKERS,
     Augmented,
     backing_inode,
     init_fn,
     meet,
+    run_rank,
     same,
 )
 
@@ -112,10 +110,4 @@ def main() -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        result = main()
-    except BaseException:
-        traceback.print_exc()
-        sys.exit(1)
-    with open(os.path.join(OUT, f"rank{RANK}.json"), "w") as f:
-        json.dump(result, f)
+    run_rank(main)
