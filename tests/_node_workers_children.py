@@ -1,5 +1,5 @@
 """One local rank of test_node_workers_memory.py's node-pool case:
-`python _node_workers_children.py OUT_DIR`, with LOCAL_RANK, LOCAL_WORLD_SIZE, RANK,
+`python _node_workers_children.py emfile OUT_DIR`, with LOCAL_RANK, LOCAL_WORLD_SIZE, RANK,
 WORLD_SIZE and TORCHELASTIC_RUN_ID as torchrun sets them.
 
 Both ranks build PoolLoader(node_pool=True) with one node process. Rank 0 (the host,
@@ -22,7 +22,7 @@ from torch.utils.data import Dataset
 
 from poolloader import PoolLoader
 
-OUT = sys.argv[1]
+OUT = sys.argv[2]  # argv[1]: the case, as test_node_pool._ranks starts a child
 RANK = int(os.environ["RANK"])
 WAIT_S = 60.0
 

@@ -9,16 +9,11 @@ Real worker processes; memory read from /proc/<pid>/smaps_rollup (Pss: the proce
 share of every page it maps; Private: pages no other process maps)."""
 from __future__ import annotations
 
-import json
 import os
-import signal
-import subprocess
-import sys
-import time
-import uuid
 import warnings
 
 import numpy as np
+import test_node_pool
 import torch
 from compare import assert_same, both_loaders
 from torch.utils.data import Dataset, get_worker_info
@@ -118,47 +113,20 @@ def test_rationality_warning_counts_processes():
     assert loader.num_workers == cpus + 2  # the check counted processes, and put it back
 
 
-def test_a_pool_the_node_process_cannot_open_is_the_live_rank_s_error_at_once(tmp_path):
+def test_a_pool_the_node_process_cannot_open_is_the_live_rank_s_error_at_once(tmp_path, monkeypatch):
     """Rank 0's pool cannot be opened by the node process (its RLIMIT_NOFILE lowered below
     its lowest free descriptor: EMFILE). Before, the process took that for "rank gone",
     dropped the rank and went on: next() waited its whole timeout (30 s), and an OSError
     raised later ended the process silently (exit 0) and read as a possible OOM kill."""
-    run_id = f"pltest-{uuid.uuid4().hex[:12]}"
-    procs, logs = [], []
-    try:
-        for rank in range(2):
-            env = dict(os.environ, LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2", RANK=str(rank),
-                       WORLD_SIZE="2", GROUP_RANK="0", TORCHELASTIC_RUN_ID=run_id,
-                       PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(HERE),
-                                                   os.environ.get("PYTHONPATH", "")]))
-            logs.append(open(tmp_path / f"rank{rank}.log", "w+"))
-            procs.append(subprocess.Popen(
-                [sys.executable, os.path.join(HERE, "_node_workers_children.py"), str(tmp_path)],
-                env=env, stdout=logs[-1], stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True))
-        deadline = time.monotonic() + 90
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)  # the rank's session: it and its children
-            except ProcessLookupError:
-                pass
-            p.wait(timeout=10)
-    texts = []
-    for rank, log in enumerate(logs):
-        log.seek(0)
-        texts.append(f"--- rank {rank} (exit {procs[rank].returncode}) ---\n{log.read()[-4000:]}")
-        log.close()
-    text = "\n".join(texts)
-    assert [p.returncode for p in procs] == [0, 0], text
-    result = json.loads((tmp_path / "rank0.json").read_text())
+    monkeypatch.setattr(test_node_pool, "CHILD", os.path.join(HERE, "_node_workers_children.py"))
+    results, codes, text = test_node_pool._ranks(tmp_path, "emfile", 2)
+    assert codes == [0, 0], text
+    result = results[0]
     error = result["error"] or ""
     assert error.startswith("WorkerDied: "), (result, text)
     assert "Too many open files" in error and "killed for memory" not in error, error
     assert result["seconds"] < 10, result  # at once, not after timeout=30
     # the node process's traceback, on its stderr: the hosting rank's, whose child it is
     # (the first rank to build the loader: either)
-    assert any("Traceback (most recent call last)" in t and "[Errno 24]" in t for t in texts), text
+    assert "Traceback (most recent call last)" in text and "[Errno 24]" in text, text
 
