@@ -71,6 +71,7 @@ import signal
 import sys
 import time
 import traceback
+import warnings
 
 import numpy as np
 import torch
@@ -564,6 +565,8 @@ def main() -> dict:
                   "role": getattr(pool._share, "role", None)}
         meet("done")
         return result
+    if CASE == "share_partial":
+        return share_partial()
     if CASE == "share_mismatch":
         differs = RANK == 1
         # ARG "loader": rank 1's batch_size differs; "persistent": its persistent_workers
@@ -753,6 +756,63 @@ def main() -> dict:
         meet("done")
         return result
     raise ValueError(CASE)
+
+
+def share_partial() -> dict:
+    """Loaders only some of the group's ranks build (the test sets POOLLOADER_SHARE_WAIT):
+    one on rank 0 alone, then one on rank 1 alone, each built twice at one place, and one
+    rank 1 builds only after rank 0 took its first batch. Each rank's batches are its
+    DataLoader's whoever leads."""
+    torch.manual_seed(0)
+    expected = epochs(shared_loader(DataLoader, "torch"), n=1)
+    result: dict = {}
+
+    def build(phase):
+        started = time.monotonic()
+        torch.manual_seed(0)
+        pool, _ = shared_loader(PoolLoader, phase, share_batches=SHARE_GROUP)
+        return pool, time.monotonic() - started
+
+    for alone in (0, 1):
+        runs = []
+        for _ in range(2):  # the same place twice
+            if RANK != alone:
+                continue
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                pool, built = build(f"alone{alone}")
+                started = time.monotonic()
+                got = [[t.clone() for t in b] for b in pool]
+            share = pool._share
+            runs.append({"built": built, "took": time.monotonic() - started,
+                         "role": getattr(share, "role", None),
+                         "awaited": sorted(getattr(share, "awaited", ())),
+                         "equal": same(expected, [got]),
+                         "warnings": [str(w.message) for w in caught
+                                      if "share_batches" in str(w.message)]})
+            del pool, share
+        result[f"alone{alone}"] = runs
+        meet(f"alone{alone}")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if RANK == 1:
+            meet("late_first")  # rank 0 took its first batch
+        pool, _ = build("late")  # one place on both ranks
+        if RANK == 0:
+            it = iter(pool)
+            got = [[t.clone() for t in next(it)]]
+            meet("late_first")
+            meet("late_built")  # rank 1 built its loader: the group was made without it
+            got += [[t.clone() for t in b] for b in it]
+        else:
+            meet("late_built")
+            got = [[t.clone() for t in b] for b in pool]
+    result["late"] = {"role": getattr(pool._share, "role", None),
+                      "equal": same(expected, [got]),
+                      "warnings": [str(w.message) for w in caught
+                                   if "share_batches" in str(w.message)]}
+    meet("done")
+    return result
 
 
 def share_cuda(device: bool) -> dict:

@@ -44,6 +44,12 @@ test_descriptors, test_shared_arrays and test_startup). poolloader and the tests
 modules are not preloaded: each worker still imports them and unpickles its start-up
 arguments as any forkserver worker does. Spawn workers, the fully fresh start, are
 unaffected and still run where a test covers spawn.
+
+The ranks the tests start for a share_batches group wait for each other up to 60 s
+(POOLLOADER_SHARE_WAIT, 5 s by default): on this loaded 2-core machine a rank's start
+can lag its peers' by more than the default, and the group would then load apart
+(correct batches, but not the sharing those tests check). The test of that wait sets
+its own.
 """
 import gc
 import multiprocessing
@@ -64,6 +70,7 @@ START_METHOD_ENV = "POOLLOADER_TEST_START_METHOD"
 
 def pytest_configure(config):
     multiprocessing.set_forkserver_preload(["torch"])  # see the module docstring
+    os.environ.setdefault("POOLLOADER_SHARE_WAIT", "60")  # see the module docstring
     method = os.environ.get(START_METHOD_ENV)
     if method:
         multiprocessing.set_start_method(method, force=True)

@@ -105,6 +105,37 @@ def test_a_follower_whose_loader_differs_is_refused_at_construction(
     assert leader_says in leader, leader
 
 
+def test_a_loader_only_some_ranks_build_loads_alone_after_a_bounded_wait(tmp_path):
+    """An evaluation loader on rank 0 alone (the leader) waits POOLLOADER_SHARE_WAIT for
+    rank 1 once, then leads nobody; a loader on rank 1 alone (a follower) waits as long
+    for its leader once, warns and loads on its own; built again at the same place,
+    neither waits (nor warns). A rank whose leader took its first batch before it built
+    the loader is told so and loads on its own. Every rank's batches are its
+    DataLoader's; none waits the rendezvous timeout (120 s), none fails."""
+    wait = 2.0
+    results, codes, logs = _ranks(tmp_path, "share_partial", 2,
+                                  env={"POOLLOADER_SHARE_WAIT": str(wait)})
+    assert codes == [0, 0], logs
+    lead, follow = results[0]["alone0"], results[1]["alone1"]
+    assert [r["role"] for r in lead] == ["leader", "leader"], lead
+    assert all(r["equal"] for r in lead + follow), logs
+    # the leader's first batch waited for rank 1 from its iter(); the next loader built
+    # there did not wait for it
+    assert lead[0]["awaited"] == [1] and lead[0]["took"] >= wait, lead
+    assert lead[1]["awaited"] == [], lead
+    assert lead[0]["warnings"] == lead[1]["warnings"] == [], lead
+    assert [r["role"] for r in follow] == [None, None], follow
+    assert follow[0]["built"] >= wait and follow[1]["built"] < wait, follow
+    assert len(follow[0]["warnings"]) == 1 and follow[1]["warnings"] == [], follow
+    assert "found no loader of its leader, rank 0" in follow[0]["warnings"][0], follow
+    late_leader, late_follower = results[0]["late"], results[1]["late"]
+    assert late_leader["role"] == "leader" and late_follower["role"] is None, results
+    assert late_leader["equal"] and late_follower["equal"], logs
+    assert late_leader["warnings"] == [], late_leader
+    assert len(late_follower["warnings"]) == 1, late_follower
+    assert "after its leader, rank 0" in late_follower["warnings"][0], late_follower
+
+
 def test_an_iterator_dropped_after_the_next_one_began_ends_nothing(tmp_path):
     results, codes, logs = _ranks(tmp_path, "share_restart", 2)
     assert codes == [0, 0], logs

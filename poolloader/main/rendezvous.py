@@ -53,6 +53,12 @@ TIMEOUT_ENV = "POOLLOADER_NODE_TIMEOUT"
 # How long a rank waits for the loader it joins to answer, and a host for its physical
 # processes to start (seconds; TIMEOUT_ENV overrides).
 RENDEZVOUS_TIMEOUT = 120.0
+SHARE_WAIT_ENV = "POOLLOADER_SHARE_WAIT"
+# How long a share_batches group's ranks wait for each other before each loads on its own
+# (the same batches): a follower for its leader's loader, a leader's first batch for its
+# followers (seconds; SHARE_WAIT_ENV overrides). A loader only some ranks build (an
+# evaluation on rank 0) costs it once per place in the program (poolloader.main.share).
+SHARE_WAIT = 5.0
 CONNECT_RETRY_S = 0.02  # between tries while the name is free or not yet listening
 _MAX_MESSAGE = 64 << 20  # a framed message's limit (a rank's workers' configs)
 # builds per (kind, place) in this process: the k of the k-th build there
@@ -168,13 +174,24 @@ def _dist_group() -> LocalGroup | None:
 
 
 def rendezvous_timeout() -> float:
-    value = os.environ.get(TIMEOUT_ENV)
+    return _seconds(TIMEOUT_ENV, RENDEZVOUS_TIMEOUT)
+
+
+def share_wait() -> float:
+    return _seconds(SHARE_WAIT_ENV, SHARE_WAIT)
+
+
+def _seconds(name: str, default: float) -> float:
+    value = os.environ.get(name)
     if value is None:
-        return RENDEZVOUS_TIMEOUT
+        return default
     try:
-        return float(value)
+        seconds = float(value)
     except ValueError:
-        raise ValueError(f"{TIMEOUT_ENV}={value!r}: a number of seconds") from None
+        seconds = -1.0
+    if not seconds >= 0:
+        raise ValueError(f"{name}={value!r}: a number of seconds (>= 0)")
+    return seconds
 
 
 class Users:

@@ -46,13 +46,15 @@ follower's iterator.
 
 Rendezvous (poolloader.main.rendezvous): the group's loaders meet where they are built
 in the program, by a name that carries the job, the group's ranks on this node and that
-place; the leader listens, each follower connects (waiting for the leader up to
-POOLLOADER_NODE_TIMEOUT). Both ends check the peer (SO_PEERCRED) before anything is
-unpickled, and a follower whose loader differs from the leader's (dataset class and
+place; the leader listens, each follower connects. Both ends check the peer
+(SO_PEERCRED) before anything is unpickled, and a follower whose loader differs from the leader's (dataset class and
 length, collate_fn, batch_size, drop_last, num_workers, worker_init_fn,
 persistent_workers, the resume options: `fingerprint`) is refused at construction.
-Every rank of a group must build its loaders at the same places (they consume the same
-batches): a loader only the leader builds waits for its followers at its first batch.
+The group is made at the leader's first batch, which waits for its followers up to
+POOLLOADER_SHARE_WAIT from its first iter(), as a follower waits for its leader's loader
+when it builds its own; a rank that did not come by then loads on its own (its own
+workers, the same batches) for that loader's life, so a loader only some ranks build (an
+evaluation on rank 0) costs that wait once per place, never an error (`_missed`).
 """
 from __future__ import annotations
 
@@ -62,14 +64,19 @@ import weakref
 
 from torch.utils.data import IterableDataset
 
+from poolloader.errors import warn
 from poolloader.main import rendezvous
-from poolloader.main.share_follower import ShareFollower
+from poolloader.main.share_follower import ShareFollower, Unshared
 from poolloader.main.share_leader import ShareLeader
 
 # Slots the leader's pool gets beyond its own needs: the batches its followers still
 # hold when it takes a slot (the one each consumes and the one whose release rides
 # with its next next()).
 SHARE_SLACK = 2
+# (the group's ranks here, build site) -> the ranks that did not come to the last loader
+# built there (a loader only some ranks build: an evaluation on rank 0): the next one
+# built there does not wait for them (join)
+_missed: dict[tuple[str, str], set[int]] = {}
 
 
 def members(share_batches) -> list[int] | None:
@@ -148,9 +155,10 @@ def join(loader, share_batches) -> ShareLeader | ShareFollower | None:
     os.environ[rendezvous.RANK_PID_ENV] = str(os.getpid())  # its children are not ranks
     leader, rank, followers, run_key = found
     here = "-".join(map(str, (leader, *followers)))  # [0, 1] and [0, 2] do not meet
-    address = rendezvous.address(run_key, rendezvous.place(f"share/{here}",
-                                                           rendezvous.build_site()))
-    timeout = rendezvous.rendezvous_timeout()
+    site = rendezvous.build_site()
+    address = rendezvous.address(run_key, rendezvous.place(f"share/{here}", site))
+    missed = _missed.setdefault((here, site), set())
+    wait = rendezvous.share_wait()
     side: ShareLeader | ShareFollower
     if rank == leader:
         what = f"PoolLoader(share_batches=...) on rank {rank}"
@@ -159,9 +167,24 @@ def join(loader, share_batches) -> ShareLeader | ShareFollower | None:
             rendezvous.close_socket(rendezvous.connect(address, socket.SOCK_SEQPACKET, what))
             raise RuntimeError(f"{what}: another process of this job listens for this loader's "
                                "followers (internal error: a place built twice)")
-        side = ShareLeader(loader, listener, rank, followers, timeout)
+
+        def on_missed(ranks: set[int]) -> None:
+            missed.clear()
+            missed.update(ranks)
+        side = ShareLeader(loader, listener, rank, followers, wait,
+                           [r for r in followers if r not in missed], on_missed)
     else:
-        side = ShareFollower(loader, address, leader, rank, timeout)
+        try:
+            side = ShareFollower(loader, address, leader, rank, 0.0 if leader in missed else wait)
+        except Unshared as e:
+            # a leader that never builds a loader here (an evaluation on this rank
+            # alone) is told once; a late one each time (the script can fix it)
+            if e.late or leader not in missed:
+                warn(str(e))
+            if not e.late:
+                missed.add(leader)
+            return None
+        missed.discard(leader)
     side.acquire()
     weakref.finalize(loader, side.release)
     return side

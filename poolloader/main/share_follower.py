@@ -19,13 +19,25 @@ from poolloader.shm.pool import renew
 from poolloader.wire import slot_format as fmt
 
 
+class Unshared(Exception):
+    """This rank's loader shares nothing: its leader built no loader at the same place
+    within the wait, or began its first batch without it. The loader loads its own
+    batches (poolloader.main.share.join); the message says why."""
+
+    def __init__(self, message: str, late: bool):
+        super().__init__(message)
+        self.late = late  # the leader came, after its group was made
+
+
 class ShareFollower(rendezvous.Users):
     """A follower's side: connected to its leader; maps the leader's segments. Open
     while its loader or one of its iterators lives (rendezvous.Users)."""
 
     role = "follower"
 
-    def __init__(self, loader, address: bytes, leader: int, rank: int, timeout: float):
+    def __init__(self, loader, address: bytes, leader: int, rank: int, wait: float):
+        """Joins the leader listening at `address`, waiting up to `wait` s for it; Unshared
+        if it does not come, or its group was made without this rank."""
         self.leader = leader
         self.rank = rank
         self._timeout = loader.timeout
@@ -46,22 +58,25 @@ class ShareFollower(rendezvous.Users):
         # its decode's lease holds it (settle): an interrupt between the two leaves it here
         self._handed: tuple | None = None
         self._epoch = 0
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + wait
         what = f"PoolLoader(share_batches=...) on rank {rank}"
+        own = ("it loads its own batches, as DataLoader would, so they are the leader's "
+               "only where the group's ranks draw the same ones")
         while True:
             sock = rendezvous.connect(address, socket.SOCK_SEQPACKET, what)
             if sock is not None:
                 break
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"PoolLoader(share_batches=...): rank {rank} found no leader to share "
-                    f"batches with within {timeout:.0f} s: rank {leader} built no loader at "
-                    f"the same place in the program ({rendezvous.TIMEOUT_ENV} sets the wait)")
+            if time.monotonic() >= deadline:
+                raise Unshared(
+                    f"PoolLoader(share_batches=...): rank {rank} found no loader of its "
+                    f"leader, rank {leader}, built at the same place in the program within "
+                    f"{wait:g} s, and shares nothing: {own} ({rendezvous.SHARE_WAIT_ENV} "
+                    "sets the wait)", late=False)
             time.sleep(rendezvous.CONNECT_RETRY_S)
         self._sock = sock
         try:
             self.leader_pid = rendezvous.peer(sock)[0]
-            sock.settimeout(max(1.0, deadline - time.monotonic()))
+            sock.settimeout(rendezvous.rendezvous_timeout())  # the leader answers at once
             sock.send(pack({"fingerprint": fingerprint(loader),
                              "rank": rank}))
             try:
@@ -75,6 +90,13 @@ class ShareFollower(rendezvous.Users):
                                    f"leader, rank {leader} (pid {self.leader_pid}), which did "
                                    f"not take it in: {why}")
             answer = pickle.loads(data)
+            if answer[0] == "late":
+                raise Unshared(
+                    f"PoolLoader(share_batches=...): rank {rank} built this loader after its "
+                    f"leader, rank {leader} (pid {self.leader_pid}), had begun its first batch "
+                    f"(it waits {rendezvous.share_wait():g} s for the group from its first "
+                    f"iter(); {rendezvous.SHARE_WAIT_ENV} sets that), and shares nothing: "
+                    f"{own}. Build the group's loaders before any of them iterates", late=True)
             if answer[0] == "refused":
                 raise ValueError(
                     f"PoolLoader(share_batches=...): rank {rank}'s loader differs from rank "

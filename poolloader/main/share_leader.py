@@ -58,11 +58,18 @@ class ShareLeader(rendezvous.Users):
     role = "leader"
 
     def __init__(self, loader, listener: socket.socket, rank: int, followers: list[int],
-                 timeout: float):
+                 wait: float, awaited: list[int], on_missed):
+        """`followers`: the group's other ranks here; its first batch waits up to `wait`
+        s (from its first iter()) for those of them `awaited`, then the group is who
+        came, for the loader's life, and `on_missed` learns the ranks that did not."""
         self.rank = rank
         self.expected = list(followers)
         self._mine = fingerprint(loader)
-        self._timeout = timeout
+        self._wait = wait
+        self.awaited = set(awaited)  # the followers its first batch waits for
+        self._on_missed = on_missed
+        self._open = True  # followers may still join: until the first batch is published
+        self._deadline: float | None = None  # of that wait, set by the first begin_epoch
         self._followers: list[_Follower] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -90,12 +97,12 @@ class ShareLeader(rendezvous.Users):
     def _accept(self) -> None:
         try:
             self._accept_followers()
-        except BaseException as e:  # told by _wait_joined, at once
+        except BaseException as e:  # told by _make_group, at once
             self._failed = e
 
     def _accept_followers(self) -> None:
         listener = self._listener
-        while not self._closed and len(self._followers) < len(self.expected):
+        while not self._closed:  # also after the group is made: a late rank hears so
             if not rendezvous.wait_readable(listener, 0.25):
                 continue
             if self._closed:
@@ -117,43 +124,52 @@ class ShareLeader(rendezvous.Users):
                     conn.send(pack(("refused", difference)))
                     rendezvous.close_socket(conn)
                     continue
-                conn.send(pack(("welcome",)))
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
-                # blocking, but a send gives up after SEND_TIMEOUT_S (BlockingIOError),
-                # and collect()'s receives never wait (MSG_DONTWAIT)
-                conn.settimeout(None)
-                conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
-                                struct.pack("ll", SEND_TIMEOUT_S, 0))
-                with self._lock:
+                with self._lock:  # the group is made under it (_make_group)
                     if self._closed:
                         raise ConnectionError("closed meanwhile")
+                    if not self._open:  # this rank's first batch went without it
+                        conn.send(pack(("late",)))
+                        rendezvous.close_socket(conn)
+                        continue
+                    # welcomed before it is listed: a batch or an end is sent only to a
+                    # listed follower, so it never comes before the welcome
+                    conn.send(pack(("welcome",)))
+                    # blocking, but a send gives up after SEND_TIMEOUT_S (BlockingIOError),
+                    # and collect()'s receives never wait (MSG_DONTWAIT)
+                    conn.settimeout(None)
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                                    struct.pack("ll", SEND_TIMEOUT_S, 0))
                     self._followers.append(_Follower(conn, rank, rendezvous.peer(conn)[0]))
             except (OSError, ConnectionError, pickle.UnpicklingError, EOFError, KeyError,
                     TypeError):
                 rendezvous.close_socket(conn)  # that follower gave up or sent nonsense
 
-    def _wait_joined(self) -> None:
-        deadline = time.monotonic() + self._timeout
-        while len(self._followers) < len(self.expected):
+    def _make_group(self) -> None:
+        """Before the first batch is published: wait for the awaited followers until
+        they all came or the wait is over (a loader only some ranks build: an
+        evaluation on this rank alone), then close the group to later ones (they load
+        their own batches: ShareFollower, "late")."""
+        deadline = self._deadline if self._deadline is not None else time.monotonic()
+        while True:
             if self._failed is not None:
                 raise RuntimeError(f"PoolLoader(share_batches=...): rank {self.rank} stopped "
                                    f"accepting the ranks it shares batches with: "
                                    f"{type(self._failed).__name__}: {self._failed}") \
                     from self._failed
-            if not self._thread.is_alive():
-                break
             if self._refused:
                 raise ValueError(f"PoolLoader(share_batches=...): rank {self.rank} refused a "
                                  f"rank of its group whose loader differs: "
                                  f"{'; '.join(self._refused)}")
-            if time.monotonic() > deadline:
-                came = sorted(f.rank for f in self._followers)
-                raise RuntimeError(
-                    f"PoolLoader(share_batches=...): rank {self.rank} waited {self._timeout:.0f} s "
-                    f"for the ranks {self.expected} it shares batches with, and only {came} "
-                    "came (each must build the same loader at the same place in the program; "
-                    f"{rendezvous.TIMEOUT_ENV} sets the wait)")
+            came = {f.rank for f in self._followers}
+            if self.awaited <= came or time.monotonic() > deadline \
+                    or not self._thread.is_alive():
+                break
             time.sleep(0.005)
+        with self._lock:
+            self._open = False
+            came = {f.rank for f in self._followers}
+        self._on_missed(set(self.expected) - came)
 
     # -- per epoch and per batch ---------------------------------------------------------
     def begin_epoch(self, ledger) -> int:
@@ -163,6 +179,8 @@ class ShareLeader(rendezvous.Users):
             self._pool_id += 1
             for f in self._followers:
                 f.sent, f.held = {}, collections.Counter()
+        if self._deadline is None:  # the followers' wait runs while workers start
+            self._deadline = time.monotonic() + self._wait
         self._epoch += 1
         self._n = 0
         self._ended = False
@@ -180,8 +198,8 @@ class ShareLeader(rendezvous.Users):
                 "its epoch); a share_batches loader has one live iterator: drop the old one")
         if self._published == (epoch, seq):
             return
-        if self._n == 0:
-            self._wait_joined()
+        if self._open:
+            self._make_group()
         self.collect()
         generation = pool.generations[slot]
         key = (self._pool_id, slot, generation)
