@@ -6,10 +6,13 @@ Loaders meeting by where they are built is tested end to end in test_node_pool.p
 test_train_script.py (examples/ddp_eval.py)."""
 from __future__ import annotations
 
+import gc
 import os
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import uuid
 
 import pytest
@@ -17,6 +20,7 @@ from test_node_pool import _ranks
 
 from poolloader import PoolLoader
 from poolloader.main import rendezvous
+from poolloader.shm import fork
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -52,7 +56,7 @@ def test_a_share_group_with_1100_descriptors_open_shares(tmp_path):
 
 HOLDER = textwrap.dedent("""
     import socket, sys, time
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s = socket.socket(socket.AF_UNIX, getattr(socket, sys.argv[2]))
     s.bind(bytes.fromhex(sys.argv[1]))
     s.listen(1)
     print("ready", flush=True)
@@ -60,10 +64,12 @@ HOLDER = textwrap.dedent("""
 """)
 
 
-def test_a_name_held_by_another_job_is_an_error_that_says_so(monkeypatch):
+@pytest.mark.parametrize("kind", ["SOCK_SEQPACKET", "SOCK_STREAM"])
+def test_a_name_held_by_another_job_is_an_error_that_says_so(monkeypatch, kind):
     """Another process (not a local rank of this job) holds the name this loader meets
     at: the error names it and says what EADDRINUSE means here, instead of a rank joining
-    it or waiting."""
+    it or waiting. A name held with a socket of another type is another name (Linux keys
+    abstract names by type): the loader meets as if it were free."""
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
@@ -74,10 +80,17 @@ def test_a_name_held_by_another_job_is_an_error_that_says_so(monkeypatch):
     assert group is not None
     k = rendezvous._builds["node", "the-place"]
     name = rendezvous.address(group.run_key, f"node/the-place/{k}")
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, name.hex()], stdout=subprocess.PIPE,
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, name.hex(), kind], stdout=subprocess.PIPE,
                               text=True)
     try:
         assert holder.stdout.readline().strip() == "ready"
+        if kind == "SOCK_STREAM":
+            loader = PoolLoader(list(range(4)), num_workers=2, node_pool=True)
+            assert type(loader._node).__name__ == "NodeHost"
+            assert [int(b) for b in loader] == [0, 1, 2, 3]
+            del loader
+            gc.collect()  # its node's processes go with it
+            return
         with pytest.raises(RuntimeError) as raised:
             PoolLoader(list(range(4)), num_workers=2, node_pool=True)
         message = str(raised.value)
@@ -106,3 +119,48 @@ def test_the_name_carries_what_only_the_job_knows(monkeypatch):
             monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", logs.format(folder, folder, local_rank))
             names.add(rendezvous.address(rendezvous.local_group().run_key, "node/x/0"))
     assert len(names) == 4
+
+
+def test_one_message_protocol_carries_any_size_and_descriptors_and_never_blocks_a_reader():
+    """rendezvous's messages, over the SOCK_SEQPACKET pair both the node pool and
+    share_batches use: a message of many records arrives whole and in order, with the
+    descriptors sent with it; a reader that must not wait gets BlockingIOError while
+    nothing is there; a message over MAX_MESSAGE is refused before anything is sent; a
+    peer that closed with our messages unread still delivers what it sent (Linux reports
+    ECONNRESET once first), then ConnectionError."""
+    a, b = socket.socketpair(socket.AF_UNIX, rendezvous.KIND)
+    r, w = os.pipe()
+    try:
+        a.settimeout(10)
+        b.settimeout(10)
+        with pytest.raises(BlockingIOError):
+            rendezvous.receive(b, wait=False)
+        big = {"configs": os.urandom(5 * rendezvous.RECORD + 123), "n": 7}
+        assert len(rendezvous.pack(big)) == 6
+        sender = threading.Thread(target=rendezvous.send, args=(a, big, [r]))
+        sender.start()  # more than the socket buffer holds: sent while read
+        message, fds = rendezvous.receive(b)
+        sender.join(10)
+        assert message == big and len(fds) == 1
+        os.write(w, b"x")
+        assert os.read(fds[0], 1) == b"x"  # the pipe's read end, received
+        fork.release(fds[0])
+        rendezvous.send(a, ("small",), wait=False)
+        assert rendezvous.receive(b, wait=False) == (("small",), [])
+        with pytest.raises(ValueError, match="a test message takes .* more than the"):
+            rendezvous.pack(b"x" * (rendezvous.MAX_MESSAGE + 1), "a test message")
+        # b sends, then a sends back and closes with b's message unread
+        rendezvous.send(b, ("unread",))
+        rendezvous.send(a, ("one",))
+        rendezvous.send(a, ("two",))
+        rendezvous.close_socket(a)
+        assert rendezvous.recv(b) == ("one",)
+        assert rendezvous.recv(b) == ("two",)
+        with pytest.raises(ConnectionError):
+            rendezvous.recv(b)
+    finally:
+        for s in (a, b):
+            if s.fileno() >= 0:
+                s.close()
+        os.close(r)
+        os.close(w)

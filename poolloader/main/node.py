@@ -404,7 +404,7 @@ def join(loader, ctx, processes: int, group: rendezvous.LocalGroup) -> _Node | N
     what = f"PoolLoader(node_pool=True) on local rank {rank}"
     node: _Node
     while True:
-        hosting, sock = rendezvous.meet(name, socket.SOCK_STREAM, deadline, what)
+        hosting, sock = rendezvous.meet(name, deadline, what)
         if hosting:
             node = NodeHost(ctx, processes, mine, sock, timeout, rank)
             break

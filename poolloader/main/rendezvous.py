@@ -22,11 +22,18 @@ the first rank to bind the name hosts, the others connect; a name held by anyone
 is an error naming them. Both ends check the other's uid and that it is a local rank of
 this job (SO_PEERCRED) before anything it sends is unpickled.
 
-Messages: a 4-byte length, then a pickle, over SOCK_STREAM (`send`, `recv`); every
-wait is `wait_readable`'s poll (no select(): a descriptor above 1024 is fine).
+Messages, one protocol for both: a pickle over SOCK_SEQPACKET, in records of at most
+RECORD bytes, each led by a byte that says whether another record of the message follows
+(`pack`, `send`, `receive`); descriptors (a share leader's memfd segments) ride with the
+first record (SCM_RIGHTS). A record keeps its boundary, so a reader that must not wait
+(a share leader taking in its followers' releases) can ask for the next message without
+blocking, and reads the rest of it at once: the sender writes a message's records back
+to back. Every wait is `wait_readable`'s poll (no select(): a descriptor above 1024 is
+fine).
 """
 from __future__ import annotations
 
+import array
 import collections
 import datetime
 import errno
@@ -60,7 +67,11 @@ SHARE_WAIT_ENV = "POOLLOADER_SHARE_WAIT"
 # evaluation on rank 0) costs it once per place in the program (poolloader.main.share).
 SHARE_WAIT = 5.0
 CONNECT_RETRY_S = 0.02  # between tries while the name is free or not yet listening
-_MAX_MESSAGE = 64 << 20  # a framed message's limit (a rank's workers' configs)
+KIND = socket.SOCK_SEQPACKET  # every socket the local ranks' loaders meet and talk through
+RECORD = 64 << 10  # a message's bytes per record (a record must fit the socket's buffer)
+MAX_MESSAGE = 64 << 20  # a message's limit (a rank's workers' configs, a resume record)
+_MAX_FDS = 4  # descriptors a message may carry (a share leader's: one segment)
+_MORE, _LAST = b"\x01", b"\x00"  # a record's first byte: another record follows, or not
 # builds per (kind, place) in this process: the k of the k-th build there
 _builds: collections.Counter = collections.Counter()
 
@@ -256,10 +267,10 @@ def first_difference(mine: dict, theirs: dict, whose: str) -> str | None:
 
 # -- sockets --------------------------------------------------------------------------------
 
-def held_socket(kind: int = socket.SOCK_STREAM) -> socket.socket:
+def held_socket() -> socket.socket:
     """A Unix socket a forked child closes at once (poolloader.shm.fork)."""
     with fork.creating():
-        sock = socket.socket(socket.AF_UNIX, kind)
+        sock = socket.socket(socket.AF_UNIX, KIND)
         fork.hold(sock.fileno())
     return sock
 
@@ -269,11 +280,16 @@ def close_socket(sock: socket.socket | None) -> None:
         fork.release(sock.detach())
 
 
-def wait_readable(sock: socket.socket, timeout: float) -> bool:
-    """Whether `sock` has something to read (or was closed) within `timeout` seconds."""
+def wait_readable(sock: socket.socket, timeout: float | None) -> bool:
+    """Whether `sock` has something to read (or was closed) within `timeout` seconds
+    (None: however long that takes)."""
+    return _ready(sock, select.POLLIN, timeout)
+
+
+def _ready(sock: socket.socket, event: int, timeout: float | None) -> bool:
     poller = select.poll()
-    poller.register(sock.fileno(), select.POLLIN)
-    return bool(poller.poll(max(0, int(timeout * 1000))))
+    poller.register(sock.fileno(), event)
+    return bool(poller.poll(-1 if timeout is None else max(0, int(timeout * 1000))))
 
 
 def peer(sock: socket.socket) -> tuple[int, int]:
@@ -305,9 +321,9 @@ def peer_is_a_local_rank(sock: socket.socket) -> bool:
     return _parent_of(pid) == os.getppid()
 
 
-def listen(name: bytes, kind: int, what: str) -> socket.socket | None:
+def listen(name: bytes, what: str) -> socket.socket | None:
     """A socket bound to `name` and listening; None where the name is taken."""
-    sock = held_socket(kind)
+    sock = held_socket()
     try:
         sock.bind(name)
         sock.listen(64)
@@ -319,11 +335,11 @@ def listen(name: bytes, kind: int, what: str) -> socket.socket | None:
     return None
 
 
-def connect(name: bytes, kind: int, what: str) -> socket.socket | None:
+def connect(name: bytes, what: str) -> socket.socket | None:
     """A socket connected to the local rank listening on `name`; None where nobody
     listens there. A holder that is not a local rank of this job is an error naming it:
     another user or job took the name first."""
-    sock = held_socket(kind)
+    sock = held_socket()
     try:
         sock.connect(name)
     except (FileNotFoundError, ConnectionRefusedError):
@@ -340,15 +356,15 @@ def connect(name: bytes, kind: int, what: str) -> socket.socket | None:
     return sock
 
 
-def meet(name: bytes, kind: int, deadline: float, what: str) -> tuple[bool, socket.socket]:
+def meet(name: bytes, deadline: float, what: str) -> tuple[bool, socket.socket]:
     """(True, a socket listening on `name`) for the first local rank to come, or (False,
     a socket connected to that rank's) for the others. Where the name is taken but
     nobody listens (a holder closing), tries again until `deadline`."""
     while True:
-        sock = listen(name, kind, what)
+        sock = listen(name, what)
         if sock is not None:
             return True, sock
-        sock = connect(name, kind, what)
+        sock = connect(name, what)
         if sock is not None:
             return False, sock
         if time.monotonic() > deadline:
@@ -373,26 +389,100 @@ def accept(listener: socket.socket) -> socket.socket | None:
     return conn
 
 
-def send(sock: socket.socket, message) -> None:
-    """A framed message over SOCK_STREAM: its length, then its pickle."""
+def pack(message, what: str = "a message") -> list[bytes]:
+    """`message` as the records `send_packed` sends: packed once, sent to many. A
+    ValueError names `what` where its pickle is over MAX_MESSAGE."""
     data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    sock.sendall(struct.pack("!I", len(data)) + data)
+    if len(data) > MAX_MESSAGE:
+        raise ValueError(f"{what} takes {len(data)} bytes pickled, more than the "
+                         f"{MAX_MESSAGE} a message between local ranks may")
+    return [(_MORE if start + RECORD < len(data) else _LAST) + data[start:start + RECORD]
+            for start in range(0, len(data), RECORD)]
 
 
-def _recv_exactly(sock: socket.socket, n: int) -> bytes:
-    parts, got = [], 0
-    while got < n:
-        part = sock.recv(n - got)
-        if not part:
-            raise ConnectionError("the other end closed the connection")
-        parts.append(part)
-        got += len(part)
-    return b"".join(parts)
+def send_packed(sock: socket.socket, records: list[bytes], fds=(), wait: bool = True) -> None:
+    """Send a packed message (`pack`), `fds` with its first record. wait=False: a
+    one-record message, or BlockingIOError (a full socket) and nothing sent."""
+    if not wait:
+        if len(records) > 1:
+            raise ValueError("internal error: a message of several records sent without "
+                             "waiting")
+        if not _ready(sock, select.POLLOUT, 0):  # (a socket with a timeout would wait)
+            raise BlockingIOError(errno.EAGAIN, "the socket is full")
+    flags = 0 if wait else socket.MSG_DONTWAIT
+    for k, record in enumerate(records):
+        rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] \
+            if k == 0 and fds else []
+        sock.sendmsg([record], rights, flags)
+
+
+def send(sock: socket.socket, message, fds=(), wait: bool = True) -> None:
+    """One message (pickled, in records), and `fds` with it; as send_packed."""
+    send_packed(sock, pack(message), fds, wait)
+
+
+def receive(sock: socket.socket, wait: bool = True) -> tuple[typing.Any, list[int]]:
+    """The next message and the descriptors that came with it (held: poolloader.shm.fork;
+    the caller releases them). wait=True: waits as long as the socket's timeout
+    (socket.timeout then); wait=False: BlockingIOError when no message is there. The
+    rest of a message is read at once (its sender writes it back to back), bounded by
+    rendezvous_timeout(). ConnectionError when the other end closed (after every
+    message it sent was read). No wait holds the fork lock: each record is read once
+    poll says it is there."""
+    parts: list[bytes] = []
+    fds: list[int] = []
+    first, reset = True, False
+    try:
+        while True:
+            limit = (sock.gettimeout() if wait else 0) if first else rendezvous_timeout()
+            if not wait_readable(sock, limit):  # (a socket with a timeout would wait)
+                if first and not wait:
+                    raise BlockingIOError(errno.EAGAIN, "no message")
+                raise socket.timeout("timed out")
+            try:
+                with fork.creating():  # a fork from another thread never inherits these
+                    data, got, msg_flags = _recv_record(sock)
+                    for fd in got:
+                        fork.hold(fd)
+            except BlockingIOError:
+                continue
+            except ConnectionResetError:
+                # Linux: the other end closed with messages of ours unread; that is
+                # reported once, before the messages it sent first (read them, then the end)
+                if reset:
+                    raise ConnectionError("the other end closed the connection") from None
+                reset = True
+                continue
+            fds += got
+            if not data:
+                raise ConnectionError("the other end closed the connection")
+            if msg_flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+                raise ConnectionError(f"a record over {RECORD + 1} bytes or "
+                                      f"{_MAX_FDS} descriptors (internal error)")
+            parts.append(data[1:])
+            if data[:1] == _LAST:
+                return pickle.loads(b"".join(parts)), fds
+            first = False
+    except BaseException:
+        for fd in fds:
+            fork.release(fd)
+        raise
+
+
+def _recv_record(sock: socket.socket) -> tuple[bytes, list[int], int]:
+    """(bytes, descriptors, flags) of the next record, without waiting."""
+    fds = array.array("i")
+    data, ancdata, flags, _ = sock.recvmsg(RECORD + 1, socket.CMSG_SPACE(_MAX_FDS * fds.itemsize),
+                                           socket.MSG_DONTWAIT)
+    for level, kind, cdata in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(cdata[:len(cdata) - len(cdata) % fds.itemsize])
+    return data, list(fds), flags
 
 
 def recv(sock: socket.socket):
-    """The next framed message (send's), waiting as long as the socket's timeout."""
-    (n,) = struct.unpack("!I", _recv_exactly(sock, 4))
-    if n > _MAX_MESSAGE:
-        raise ConnectionError(f"a message of {n} bytes announced, over {_MAX_MESSAGE}")
-    return pickle.loads(_recv_exactly(sock, n))
+    """The next message, which carries no descriptor (as receive, waiting)."""
+    message, fds = receive(sock)
+    for fd in fds:
+        fork.release(fd)
+    return message

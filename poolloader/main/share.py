@@ -47,9 +47,10 @@ follower's iterator.
 Rendezvous (poolloader.main.rendezvous): the group's loaders meet where they are built
 in the program, by a name that carries the job, the group's ranks on this node and that
 place; the leader listens, each follower connects. Both ends check the peer
-(SO_PEERCRED) before anything is unpickled, and a follower whose loader differs from the leader's (dataset class and
-length, collate_fn, batch_size, drop_last, num_workers, worker_init_fn,
-persistent_workers, the resume options: `fingerprint`) is refused at construction.
+(SO_PEERCRED) before anything is unpickled, and a follower whose loader differs from the
+leader's (dataset class and length, collate_fn, batch_size, drop_last, num_workers,
+worker_init_fn, persistent_workers, the resume options: `fingerprint`) is refused at
+construction.
 The group is made at the leader's first batch, which waits for its followers up to
 POOLLOADER_SHARE_WAIT from its first iter(), as a follower waits for its leader's loader
 when it builds its own; a rank that did not come by then loads on its own (its own
@@ -59,7 +60,6 @@ evaluation on rank 0) costs that wait once per place, never an error (`_missed`)
 from __future__ import annotations
 
 import os
-import socket
 import weakref
 
 from torch.utils.data import IterableDataset
@@ -162,9 +162,9 @@ def join(loader, share_batches) -> ShareLeader | ShareFollower | None:
     side: ShareLeader | ShareFollower
     if rank == leader:
         what = f"PoolLoader(share_batches=...) on rank {rank}"
-        listener = rendezvous.listen(address, socket.SOCK_SEQPACKET, what)
+        listener = rendezvous.listen(address, what)
         if listener is None:
-            rendezvous.close_socket(rendezvous.connect(address, socket.SOCK_SEQPACKET, what))
+            rendezvous.close_socket(rendezvous.connect(address, what))
             raise RuntimeError(f"{what}: another process of this job listens for this loader's "
                                "followers (internal error: a place built twice)")
 

@@ -4,7 +4,6 @@ takes each batch its leader publishes, checked against its own sampler's indices
 from __future__ import annotations
 
 import collections
-import pickle
 import socket
 import time
 
@@ -12,7 +11,7 @@ from poolloader.cuda import gate
 from poolloader.errors import StallWarning, WorkerDied, warn
 from poolloader.main import rendezvous
 from poolloader.main.share_cuda import FollowerCuda
-from poolloader.main.share_leader import MAX_MESSAGE, fingerprint, pack
+from poolloader.main.share_leader import fingerprint
 from poolloader.shm import fork
 from poolloader.shm._shm import Mapping
 from poolloader.shm.pool import renew
@@ -63,7 +62,7 @@ class ShareFollower(rendezvous.Users):
         own = ("it loads its own batches, as DataLoader would, so they are the leader's "
                "only where the group's ranks draw the same ones")
         while True:
-            sock = rendezvous.connect(address, socket.SOCK_SEQPACKET, what)
+            sock = rendezvous.connect(address, what)
             if sock is not None:
                 break
             if time.monotonic() >= deadline:
@@ -77,19 +76,15 @@ class ShareFollower(rendezvous.Users):
         try:
             self.leader_pid = rendezvous.peer(sock)[0]
             sock.settimeout(rendezvous.rendezvous_timeout())  # the leader answers at once
-            sock.send(pack({"fingerprint": fingerprint(loader),
-                             "rank": rank}))
+            rendezvous.send(sock, {"fingerprint": fingerprint(loader), "rank": rank})
             try:
-                data = sock.recv(MAX_MESSAGE)
+                answer = rendezvous.recv(sock)
             except OSError as e:
-                data, why = b"", f"{type(e).__name__}: {e}"
-            else:
-                why = "it closed the connection"
-            if not data:
+                why = "it closed the connection" if type(e) is ConnectionError else \
+                    f"{type(e).__name__}: {e}"
                 raise RuntimeError(f"PoolLoader(share_batches=...): rank {rank} reached its "
                                    f"leader, rank {leader} (pid {self.leader_pid}), which did "
-                                   f"not take it in: {why}")
-            answer = pickle.loads(data)
+                                   f"not take it in: {why}") from None
             if answer[0] == "late":
                 raise Unshared(
                     f"PoolLoader(share_batches=...): rank {rank} built this loader after its "
@@ -143,7 +138,7 @@ class ShareFollower(rendezvous.Users):
             keys += cuda.ready()
         if keys:
             try:
-                self._sock.send(pack(("released", keys)))
+                rendezvous.send(self._sock, ("released", keys))
             except OSError:
                 pass  # the leader is gone: the next receive says so
 
@@ -170,26 +165,13 @@ class ShareFollower(rendezvous.Users):
             if warn_at is not None and time.monotonic() >= warn_at:
                 warn_at = None  # once per stall: the next wait that stalls warns again
                 self._warn_stall(time.monotonic() - started, what)
-        data: bytes = b""
-        fds: list[int] = []
-        for _ in range(2):
-            try:
-                with fork.creating():  # a fork from another thread never inherits these
-                    data, fds, _flags, _addr = socket.recv_fds(sock, MAX_MESSAGE, 1)
-                    for fd in fds:
-                        fork.hold(fd)
-                break
-            except ConnectionResetError:
-                # the leader closed with this rank's releases unread: Linux reports that
-                # once, before the messages it sent first (read them, then the end)
-                continue
-            except OSError:
-                break
-        if not data:
-            raise WorkerDied(f"PoolLoader(share_batches=...): rank {self.leader} (pid "
-                             f"{self.leader_pid}), whose batches this rank {self.rank} shares, "
-                             "exited or closed its loader")
-        return pickle.loads(data), fds
+        try:
+            return rendezvous.receive(sock, wait=False)  # poll said it is there
+        except OSError as e:
+            why = "" if type(e) is ConnectionError else f" ({type(e).__name__}: {e})"
+        raise WorkerDied(f"PoolLoader(share_batches=...): rank {self.leader} (pid "
+                         f"{self.leader_pid}), whose batches this rank {self.rank} shares, "
+                         f"exited or closed its loader{why}")
 
     def _settle(self, wanted: tuple[int, int] | None) -> tuple | None:
         """The batch receive() returned last, if it is (epoch, n) `wanted` and was not
@@ -228,7 +210,7 @@ class ShareFollower(rendezvous.Users):
         if self._sock is None:
             return
         try:
-            self._sock.send(pack(message), socket.MSG_DONTWAIT)
+            rendezvous.send(self._sock, message, wait=False)
         except OSError:
             pass  # the leader is gone (the next receive says so), or its socket is full
 
@@ -342,7 +324,7 @@ class ShareFollower(rendezvous.Users):
 
     def _send_back(self, key) -> None:
         try:
-            self._sock.send(pack(("released", [(key, False)])))  # type: ignore[union-attr]
+            rendezvous.send(self._sock, ("released", [(key, False)]))  # type: ignore[arg-type]
         except OSError:
             pass
 

@@ -1,10 +1,10 @@
 """A share_batches group's leader (poolloader.main.share): listens for its followers and
-publishes each slot it delivers to them; the messages both sides speak (`pack`,
-MAX_MESSAGE) and what their loaders must agree on (`fingerprint`)."""
+publishes each slot it delivers to them (messages and descriptors:
+poolloader.main.rendezvous's one protocol); what their loaders must agree on
+(`fingerprint`)."""
 from __future__ import annotations
 
 import collections
-import pickle
 import socket
 import struct
 import threading
@@ -13,8 +13,8 @@ from typing import Any
 
 from poolloader.errors import warn
 from poolloader.main import node, rendezvous
+from poolloader.shm import fork
 
-MAX_MESSAGE = 1 << 20  # a batch's indices, pickled, must fit: checked when sent
 # How long the leader's send to a follower may wait for room (a follower that stopped
 # taking its batches while the leader went on for thousands): then an error.
 SEND_TIMEOUT_S = 30
@@ -30,11 +30,6 @@ def fingerprint(loader) -> dict:
                  "persistent_workers": loader.persistent_workers, "stateful": loader.stateful,
                  "snapshot_every_n_steps": loader.snapshot_every_n_steps})
     return mine
-
-
-def pack(message) -> bytes:
-    """One message between leader and follower: a pickle (a SOCK_SEQPACKET record)."""
-    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 class _Follower:
@@ -112,7 +107,7 @@ class ShareLeader(rendezvous.Users):
                 continue
             try:
                 conn.settimeout(30.0)
-                hello = pickle.loads(conn.recv(MAX_MESSAGE))
+                hello = rendezvous.recv(conn)
                 theirs, rank = hello["fingerprint"], hello["rank"]
                 difference = rendezvous.first_difference(theirs, self._mine, f"rank {self.rank}")
                 if rank not in self.expected or any(f.rank == rank for f in self._followers):
@@ -121,7 +116,7 @@ class ShareLeader(rendezvous.Users):
                     # the follower's words are its own ("here": its value)
                     mine = rendezvous.first_difference(self._mine, theirs, f"rank {rank}")
                     self._refused.append(f"rank {rank}: {mine or difference}")
-                    conn.send(pack(("refused", difference)))
+                    rendezvous.send(conn, ("refused", difference))
                     rendezvous.close_socket(conn)
                     continue
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
@@ -129,20 +124,19 @@ class ShareLeader(rendezvous.Users):
                     if self._closed:
                         raise ConnectionError("closed meanwhile")
                     if not self._open:  # this rank's first batch went without it
-                        conn.send(pack(("late",)))
+                        rendezvous.send(conn, ("late",))
                         rendezvous.close_socket(conn)
                         continue
                     # welcomed before it is listed: a batch or an end is sent only to a
                     # listed follower, so it never comes before the welcome
-                    conn.send(pack(("welcome",)))
+                    rendezvous.send(conn, ("welcome",))
                     # blocking, but a send gives up after SEND_TIMEOUT_S (BlockingIOError),
                     # and collect()'s receives never wait (MSG_DONTWAIT)
                     conn.settimeout(None)
                     conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
                                     struct.pack("ll", SEND_TIMEOUT_S, 0))
                     self._followers.append(_Follower(conn, rank, rendezvous.peer(conn)[0]))
-            except (OSError, ConnectionError, pickle.UnpicklingError, EOFError, KeyError,
-                    TypeError):
+            except Exception:
                 rendezvous.close_socket(conn)  # that follower gave up or sent nonsense
 
     def _make_group(self) -> None:
@@ -203,10 +197,8 @@ class ShareLeader(rendezvous.Users):
         self.collect()
         generation = pool.generations[slot]
         key = (self._pool_id, slot, generation)
-        body = pack(("batch", self._epoch, self._n, key, pool.size(slot), index))
-        if len(body) > MAX_MESSAGE:
-            raise ValueError(f"PoolLoader(share_batches=...): a batch's sample indices take "
-                             f"{len(body)} bytes pickled, more than {MAX_MESSAGE}")
+        body = rendezvous.pack(("batch", self._epoch, self._n, key, pool.size(slot), index),
+                               "PoolLoader(share_batches=...): a batch's sample indices")
         self._published, self._n = (epoch, seq), self._n + 1  # together: no call between
         for f in list(self._followers):
             fresh = f.sent.get(slot) != generation  # its first batch in this segment
@@ -218,14 +210,11 @@ class ShareLeader(rendezvous.Users):
             f.last_epoch = self._epoch
             self.ledger.share_out(slot, generation)
 
-    def _send(self, f: _Follower, body: bytes, fds=()) -> bool:
-        """Send `body` (with descriptors `fds`) to `f`: False if it is gone (dropped
-        here); a follower that took nothing for SEND_TIMEOUT_S is an error."""
+    def _send(self, f: _Follower, body: list[bytes], fds=()) -> bool:
+        """Send `body` (rendezvous.pack's, with descriptors `fds`) to `f`: False if it is
+        gone (dropped here); a follower that took nothing for SEND_TIMEOUT_S is an error."""
         try:
-            if fds:
-                socket.send_fds(f.sock, [body], list(fds))
-            else:
-                f.sock.send(body)
+            rendezvous.send_packed(f.sock, body, fds)
         except BlockingIOError:
             raise self._stuck(f) from None
         except OSError:
@@ -252,16 +241,15 @@ class ShareLeader(rendezvous.Users):
         if epoch != self._epoch:
             return
         for one in told:  # one a message: a record is a few KB (its RNG states)
-            body = pack(("seen", self._epoch, one))
-            if len(body) > MAX_MESSAGE:
+            try:
+                body = rendezvous.pack(("seen", self._epoch, one), "a worker's resume record")
+            except ValueError as e:
                 if not self._warned_large:
                     self._warned_large = True
-                    warn(f"PoolLoader(share_batches=...): a worker's resume record of "
-                         f"{len(body)} bytes is over the {MAX_MESSAGE} a message to the "
-                         "followers may take, so their state_dict() lacks a batch their "
-                         "leader's workers made and never delivered: it resumes a follower "
-                         "exactly, not the rank that leads; keep the dataset's state_dict() "
-                         "small or pass a larger snapshot_every_n_steps=")
+                    warn(f"PoolLoader(share_batches=...): {e}, so the followers' state_dict() "
+                         "lacks a batch their leader's workers made and never delivered: it "
+                         "resumes a follower exactly, not the rank that leads; keep the "
+                         "dataset's state_dict() small or pass a larger snapshot_every_n_steps=")
                 continue
             for f in list(self._followers):
                 self._send(f, body)
@@ -271,10 +259,10 @@ class ShareLeader(rendezvous.Users):
             self._broadcast(("failed", why))
 
     def _broadcast(self, message) -> None:
-        body = pack(message)
+        body = rendezvous.pack(message)
         for f in list(self._followers):
             try:
-                f.sock.send(body)
+                rendezvous.send_packed(f.sock, body)
             except OSError:
                 self._gone(f)
 
@@ -289,14 +277,13 @@ class ShareLeader(rendezvous.Users):
         """Take in what `f` sent, without waiting; False once its socket closed."""
         while True:
             try:
-                data = f.sock.recv(MAX_MESSAGE, socket.MSG_DONTWAIT)
+                message, fds = rendezvous.receive(f.sock, wait=False)
             except BlockingIOError:
                 return True
-            except OSError:
-                data = b""
-            if not data:
+            except Exception:  # closed, or sent what cannot be read
                 return False
-            message = pickle.loads(data)
+            for fd in fds:  # a follower sends none
+                fork.release(fd)
             if message[0] == "finished":
                 f.finished = max(f.finished, message[1])
                 continue
