@@ -541,12 +541,14 @@ class PoolLoaderIter(TrackedNext, RequestScheduling, IteratorTeardown,
         """The end of _process_data, also for a call an interrupt cut short: once the
         decode's lease holds the slot (it is in `ledger.leases` until a take() drains
         it, so this runs before any), the batch leaves the reorder buffer; before, it
-        stays there and the next call delivers it."""
+        stays there and the next call delivers it. The lease, if any, is the newest
+        (no other decode came since, and a slot has one lease at a time): O(1)."""
         delivering = self._delivering
         if delivering is None:
             return
         idx, slot = delivering
-        if slot not in self._ledger.leases.values():
+        leases = self._ledger.leases
+        if not leases or next(reversed(leases.values())) != slot:
             self._delivering = None  # not decoded: still READY, delivered again
             return
         # no call from here on: no interrupt comes between these steps
