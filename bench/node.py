@@ -256,6 +256,7 @@ def _rank_body(spec: dict, rank: int, world: int, local_rank: int) -> dict:
             delivered = world * (spec["warmup_batches"] + spec["batches"])
             out.update(_worker_cpu(cpu0, cpu1, delivered))
             out.update(_census(os.getppid(), rank_pids, read_process))
+            out.update(_cgroup_now(spec.get("cgroup")))
         dist.barrier()  # the census is taken
     finally:
         workload.shutdown_iterator(it)
@@ -304,6 +305,19 @@ def _worker_cpu(cpu0: dict, cpu1: dict, delivered: int) -> dict:
             "delivered": delivered}
 
 
+def _cgroup_now(path) -> dict:
+    """The job's cgroup's charge at the census (every pipeline full), by kind: what the
+    account in docs/benchmarks.md splits (cgroups.MemoryCgroup.stat)."""
+    import cgroups
+
+    if path is None:
+        return {}
+    group = cgroups.MemoryCgroup(path, os.path.exists(os.path.join(path, "memory.usage_in_bytes")), "")
+    stat = group.stat()
+    return {"cgroup_now_mib": group.current() / MIB,
+            **{f"cgroup_{kind}_mib": value / MIB for kind, value in stat.items()}}
+
+
 def _census(torchrun: int, rank_pids: list, read_process) -> dict:
     """The job's processes and their PSS, as seen from rank 0 (see the module docstring)."""
     import procs
@@ -339,11 +353,13 @@ def _census(torchrun: int, rank_pids: list, read_process) -> dict:
 def run_job(spec: dict, ranks: int, timeout: float) -> dict:
     """One torchrun job of `ranks` ranks; returns the measurement (job figures and
     per-rank lists); common.BenchError on a failed rank, the deadline, or leftovers."""
+    import cgroups
     import common
     import procs
 
     tmp = tempfile.mkdtemp(prefix="plnode-")
-    spec = dict(spec, out_dir=tmp)
+    group, why_not = cgroups.MemoryCgroup.make(spec["arm"])
+    spec = dict(spec, out_dir=tmp, cgroup=None if group is None else group.path)
     log_path = os.path.join(tmp, "torchrun.log")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={ranks}", HERE, "--rank-child", json.dumps(spec)]
@@ -352,7 +368,8 @@ def run_job(spec: dict, ranks: int, timeout: float) -> dict:
     try:
         with open(log_path, "w") as log:
             proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+                                    start_new_session=True,
+                                    preexec_fn=None if group is None else group.preexec())
             try:
                 proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
@@ -377,12 +394,18 @@ def run_job(spec: dict, ranks: int, timeout: float) -> dict:
         left = _leftovers(proc.pid, rank_pids, job_pids, names0)
         if left:
             raise common.BenchError(f"{spec['arm']}: the job left behind {', '.join(left)}")
+        peak = None if group is None else group.peak() / MIB
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        if group is not None:
+            group.close()
     job = results[0]
     out = {k: job[k] for k in ("processes", "workers", "pss_mib", "rank_pss_mib",
                                "worker_pss_mib", "torchrun_pss_mib", "others",
                                "worker_cpu_ms", "worker_cpu_s", "delivered")}
+    out["cgroup_peak_mib"] = peak
+    out["cgroup_skipped"] = why_not
+    out.update({k: v for k, v in job.items() if k.startswith("cgroup_")})
     ordered = [results[r] for r in sorted(results)]
     for metric in PER_RANK:
         values = [r[metric] for r in ordered]
@@ -457,6 +480,11 @@ def _cell(raw, cell, arm, metric, spec) -> str:
 ROWS = [  # metric, heading, format
     ("workers", "worker processes", ".0f"),
     ("processes", "job processes (ranks + workers)", ".0f"),
+    ("cgroup_peak_mib", "cgroup peak charge MiB (the job's own memory cgroup)", ".0f"),
+    ("cgroup_now_mib", "cgroup charge MiB at the census", ".0f"),
+    ("cgroup_anon_mib", "of which anonymous MiB", ".0f"),
+    ("cgroup_shmem_mib", "of which shmem/memfd MiB", ".0f"),
+    ("cgroup_file_mib", "of which page cache MiB", ".0f"),
     ("pss_mib", "node PSS MiB (job's processes)", ".0f"),
     ("worker_pss_mib", "of which workers' PSS MiB", ".0f"),
     ("first_s", "first batch s, per rank", ".2f"),
@@ -471,7 +499,8 @@ def table(raw, cfg) -> str:
     import writers
 
     arms = [a for a in ARMS if a in cfg.arms_list]
-    ratios = [(a, b) for a, b in (("node", "pool"), ("share", "pool"), ("pool", "torch"))
+    ratios = [(a, b) for a, b in (("node", "pool"), ("share", "pool"), ("pool", "torch"),
+                                  ("node", "torch"))
               if a in arms and b in arms]
     out = []
     for cell in raw.cells:
