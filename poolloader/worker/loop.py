@@ -42,6 +42,8 @@ WORKER_TICK = 0.25
 # while it runs, as a DataLoader worker inherits them from its rank.
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "WORLD_SIZE",
                   "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "ROLE_NAME")
+# pending[slot]'s payload for a request whose fetch waits for a bigger slot (serve)
+_DEFERRED = object()
 
 
 @dataclass
@@ -158,7 +160,9 @@ class LogicalWorker:
         self.epoch = 0
         self.iteration_end = False
         # slot -> (payload, status, resume record) awaiting a bigger slot
-        self.pending: dict[int, tuple[Any, int, bytes]] = {}
+        # (or (_DEFERRED, ST_READY, the request's indices): a request not yet fetched)
+        self.pending: dict[int, tuple[Any, int, Any]] = {}
+        self.grow_hint = 0  # the largest slot a batch of this worker needed
         self.request_ring = control.request_rings[cfg.worker_id]
         self.done_ring = control.done_rings[cfg.worker_id]
         self.stats = control.worker_stats[cfg.worker_id]
@@ -201,28 +205,47 @@ class LogicalWorker:
 
     def serve(self, slots: WorkerSlots, writer: codec.SlotWriter, slot: int) -> int:
         """Produce the reply to the request in `slot` (popped from this worker's request
-        ring) into it; returns its status."""
+        ring) into it; returns its status.
+
+        A request in a slot smaller than a batch of this worker already needed
+        (`grow_hint`) is not fetched into it: the worker asks main for a slot that
+        big first, keeping only the request's indices, and fetches when the slot
+        comes back, before any later request of its ring. A batch fetched into a
+        slot too small is held in this process's memory until the slot grows, so
+        without this every request sent before the first growth (all of them at
+        start) held a batch's worth of private memory besides its slot (issue 45:
+        the first epoch's peak charge). Batches are fetched in the order their
+        requests came, so RNG states and batches are what they were."""
         cfg = self.cfg
         mapping = sync_mappings(slots, writer, slot)
         header = fmt.header_view(mapping)
         pending = self.pending
         fresh = slot in pending  # a payload waiting for this (now bigger) slot
+        deferred, index = False, None
         if fresh:
             payload, status, state = pending.pop(slot)
-        else:
-            req_epoch = fmt.request_epoch(header)
-            if req_epoch != self.epoch:
-                self.epoch = req_epoch
-                self.iteration_end = False
-                if isinstance(self.dataset, IterDataPipe):  # DataLoader's _ResumeIteration
-                    self.dataset = apply_random_seed(self.dataset, torch.Generator().manual_seed(
-                        fmt.request_shared_seed(header)))
-                if self.init_exception is None:
-                    try:  # an IterableDataset's __iter__ runs here
-                        self.fetcher = self.progress.epoch_fetcher(self.new_fetcher)
-                    except Exception:
-                        self.fetcher = None
-                        self.init_exception = ExceptionWrapper(where=self.where)
+            if payload is _DEFERRED:  # its request, not yet fetched: fetch it now
+                fresh, deferred, index = False, True, state
+        if not fresh:
+            if not deferred:
+                req_epoch = fmt.request_epoch(header)
+                if req_epoch != self.epoch:
+                    self.epoch = req_epoch
+                    self.iteration_end = False
+                    if isinstance(self.dataset, IterDataPipe):  # DataLoader's _ResumeIteration
+                        self.dataset = apply_random_seed(self.dataset, torch.Generator().manual_seed(
+                            fmt.request_shared_seed(header)))
+                    if self.init_exception is None:
+                        try:  # an IterableDataset's __iter__ runs here
+                            self.fetcher = self.progress.epoch_fetcher(self.new_fetcher)
+                        except Exception:
+                            self.fetcher = None
+                            self.init_exception = ExceptionWrapper(where=self.where)
+                if (self.grow_hint > mapping.size and not self.iteration_end
+                        and self.init_exception is None and self.fetcher is not None):
+                    pending[slot] = (_DEFERRED, fmt.ST_READY, fmt.read_request(mapping, header))
+                    fmt.mark_grow(header, self.grow_hint)
+                    return fmt.ST_GROW
             payload, status = None, fmt.ST_END
             if not self.iteration_end:
                 writer.begin(mapping, slot)
@@ -234,7 +257,8 @@ class LogicalWorker:
                     elif self.fetcher is None:  # its epoch's __iter__ failed: nothing more
                         raise StopIteration
                     else:
-                        index = fmt.read_request(mapping, header)
+                        if not deferred:
+                            index = fmt.read_request(mapping, header)
                         self.progress.fetched += 1
                         payload, status = self.fetcher.fetch(index), fmt.ST_READY
                 except StopIteration:
@@ -259,6 +283,8 @@ class LogicalWorker:
         else:
             _publish(writer, mapping, header, slot, payload, status, state, pending,
                      cfg.worker_id, fresh)
+        if slot in pending:
+            self.grow_hint = max(self.grow_hint, fmt.needed_bytes(header))
         del payload
         return status
 
