@@ -251,6 +251,12 @@ def _rank_body(spec: dict, rank: int, world: int, local_rank: int) -> dict:
         out["batch_s"] = spec["batches"] / wall
         out["main_cpu_ms"] = statistics.median(cpu_ms)
         dist.barrier()  # every rank is past its timed window, every iterator alive
+        memory = getattr(getattr(loader, "stats", None), "memory", None)
+        if memory is not None:  # this rank's pool: resident of reserved (issue 45)
+            report = memory()
+            out["pool_resident_mib"] = getattr(report, "pool_resident", 0) / MIB
+            out["pool_reserved_mib"] = getattr(report, "pool_reserved", 0) / MIB
+            out["pool_slots"] = loader.stats.slot_count
         if local_rank == 0:
             cpu1 = _settled_worker_cpu(os.getppid(), rank_pids)
             delivered = world * (spec["warmup_batches"] + spec["batches"])
@@ -305,6 +311,21 @@ def _worker_cpu(cpu0: dict, cpu1: dict, delivered: int) -> dict:
             "delivered": delivered}
 
 
+def _status_kib(pid: int) -> dict:
+    """RssAnon, RssFile, RssShmem of `pid` (kB, /proc/<pid>/status): the account's
+    training processes and workers' base are their RssAnon."""
+    out = {"rank": False}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("RssAnon", "RssFile", "RssShmem"):
+                    out[key] = int(value.split()[0])
+    except OSError:
+        pass
+    return out
+
+
 def _cgroup_now(path) -> dict:
     """The job's cgroup's charge at the census (every pipeline full), by kind: what the
     account in docs/benchmarks.md splits (cgroups.MemoryCgroup.stat)."""
@@ -342,6 +363,7 @@ def _census(torchrun: int, rank_pids: list, read_process) -> dict:
             "worker_pss_mib": (total_pss - ranks_pss) / MIB,
             "torchrun_pss_mib": None if own is None else own["pss"] / MIB,
             "job_pids": sorted(job),
+            "status_kib": {pid: _status_kib(pid) for pid in job},
             "others": [f"{pid} (parent {job[pid].ppid}): "
                        f"{procs.cmdline(pid).split(' --rank-child')[0][:100]}"
                        for pid in job if pid not in rank_pids]}
@@ -403,6 +425,8 @@ def run_job(spec: dict, ranks: int, timeout: float) -> dict:
     out = {k: job[k] for k in ("processes", "workers", "pss_mib", "rank_pss_mib",
                                "worker_pss_mib", "torchrun_pss_mib", "others",
                                "worker_cpu_ms", "worker_cpu_s", "delivered")}
+    out["status_kib"] = {pid: dict(v, rank=int(pid) in rank_pids)
+                         for pid, v in job.get("status_kib", {}).items()}
     out["cgroup_peak_mib"] = peak
     out["cgroup_skipped"] = why_not
     out.update({k: v for k, v in job.items() if k.startswith("cgroup_")})
@@ -412,6 +436,9 @@ def run_job(spec: dict, ranks: int, timeout: float) -> dict:
         out[metric] = statistics.median(values)  # what the ratios pair
         out[f"rank_{metric}"] = values           # what the table summarises
     out["first_s_max"] = max(out["rank_first_s"])
+    for metric in ("pool_resident_mib", "pool_reserved_mib", "pool_slots"):  # the ranks' pools
+        values = [r.get(metric) for r in ordered]
+        out[metric] = None if None in values else sum(values)
     return out
 
 
@@ -485,6 +512,9 @@ ROWS = [  # metric, heading, format
     ("cgroup_anon_mib", "of which anonymous MiB", ".0f"),
     ("cgroup_shmem_mib", "of which shmem/memfd MiB", ".0f"),
     ("cgroup_file_mib", "of which page cache MiB", ".0f"),
+    ("pool_slots", "slots, every rank's pool", ".0f"),
+    ("pool_reserved_mib", "slots reserved MiB (stats.memory(), summed over ranks)", ".0f"),
+    ("pool_resident_mib", "slots resident MiB (stats.memory(), summed over ranks)", ".0f"),
     ("pss_mib", "node PSS MiB (job's processes)", ".0f"),
     ("worker_pss_mib", "of which workers' PSS MiB", ".0f"),
     ("first_s", "first batch s, per rank", ".2f"),

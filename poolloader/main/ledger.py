@@ -48,6 +48,10 @@ GROWTH_FACTOR = 1.25
 # Slots beyond num_workers * prefetch_factor for batches the consumer holds.
 SPARE_SLOTS = 2
 
+# A FREE slot that no request took for this many takes while others were taken is
+# more than the pool needs: its pages are given back (SlotLedger._return_idle).
+IDLE_TAKES = 16
+
 # A share_batches hold that is never given back (SlotLedger.share_abandon).
 _NEVER = 1 << 62
 
@@ -115,6 +119,11 @@ class SlotLedger:
         # followers still hold]; `parked`: such slots whose views here are gone too
         self.shared: dict[int, list[int]] = {}
         self.parked: set[int] = set()
+        # idle slots' pages (_return_idle): takes so far, the take count at which
+        # each FREE slot was freed, and the FREE slots whose pages went back already
+        self._takes = 0
+        self._freed_at: dict[int, int] = {}
+        self._emptied: set[int] = set()
 
     # -- views of a slot --------------------------------------------------------
     def mapping(self, slot: int):
@@ -176,7 +185,31 @@ class SlotLedger:
             self.free.append(slot)
             raise
         self.taking = slot
+        self._takes += 1
+        self._emptied.discard(slot)
+        self._freed_at.pop(slot, None)
+        if self.free:
+            self._return_idle(self.free[0])
         return slot
+
+    def _return_idle(self, slot: int) -> None:
+        """`slot` has been FREE the longest (the bottom of the LIFO free list): if no
+        take wanted it for IDLE_TAKES takes, the pool is deeper than its requests and
+        the batches held need, so its data pages go back to the system (the header
+        and request area stay): a memory cgroup is charged for what is in flight, not
+        for how deep the pool once had to be. A later take reuses the slot as it is;
+        a batch written there faults its pages in again. One dict look-up per take
+        otherwise. Never a slot with a view alive: only FREE slots are here. On CUDA
+        (registered slots) and for share_batches leaders nothing is returned
+        (SlotPool.return_pages)."""
+        if slot in self._emptied:
+            return
+        freed = self._freed_at.setdefault(slot, self._takes)
+        if self._takes - freed < IDLE_TAKES:
+            return
+        self._emptied.add(slot)
+        if self.pool.return_pages(slot, fmt.DATA_OFF):
+            self.stats.pages_returned += 1
 
     def put_back(self) -> None:
         """The caller of take() could not record the slot it got (an error or an
@@ -227,6 +260,7 @@ class SlotLedger:
         if self.gate is not None:
             self.gate.release(slot)  # FREE once every copy that may read it is done
         else:
+            self._freed_at[slot] = self._takes
             self.free.append(slot)
 
     def drain(self) -> None:
