@@ -506,3 +506,45 @@ def test_requests_reach_the_fetcher_with_the_samplers_types(sampler):
     assert [[t[:2] for t in b] for b in got] == [[t[:2] for t in b] for b in ref]
     types = {t[:2] for b in got for t in b}
     assert types == ({("list", "int")} if sampler == "shuffle" else {("list", "int64"), ("list", "int")})
+
+
+def test_a_pool_that_shrinks_and_grows_again_delivers_dataloaders_batches(monkeypatch):
+    """A pool of 10 slots (slots=10) whose consumer holds three batches (every slot in
+    use), then none for a while (the slots it no longer needs give their pages back:
+    stats.pages_returned, resident < reserved), then three again (those slots are
+    written anew), twice over: every batch, random augmentation included, is
+    DataLoader's."""
+    from poolloader.main import ledger
+    monkeypatch.setattr(ledger, "IDLE_TAKES", 4)
+    pattern = [3] * 8 + [0] * 16 + [3] * 8 + [0] * 16  # batches held, per batch delivered
+    figures: dict = {}
+
+    def run(loader):
+        out, held = [], []
+        for k, batch in enumerate(loader):
+            out.append(copy.deepcopy(batch))
+            held.append(batch)
+            del held[:max(0, len(held) - pattern[k])]
+            del batch
+            if isinstance(loader, PoolLoader) and k in (7, 23, 31, 47):
+                report = loader.stats.memory()
+                figures[k] = (report.pool_resident, report.pool_reserved,
+                              loader.stats.pages_returned)
+        if isinstance(loader, PoolLoader):
+            figures["detaches"] = loader.stats.detaches
+        return out
+
+    def make(cls):
+        return cls(ds.AugmentDataset(n=len(pattern) * 4, shape=(3, 128, 128)), batch_size=4,
+                   num_workers=2, shuffle=True, generator=torch.Generator().manual_seed(5),
+                   **pool_only(cls, slots=10))
+
+    reference, got = both_loaders(make, run)
+    assert len(got) == len(pattern)
+    assert_same(got, reference)
+    assert figures["detaches"] == 0, figures  # ten slots held what was in use
+    # each idle stretch gave pages back, and each busy one took those slots again
+    assert figures[7][2] < figures[23][2] <= figures[31][2] < figures[47][2], figures
+    for busy, idle in ((7, 23), (31, 47)):
+        assert figures[idle][0] < figures[busy][0] <= figures[busy][1], figures
+    assert figures[31][0] > figures[23][0], figures  # grown again

@@ -120,10 +120,11 @@ class SlotLedger:
         self.shared: dict[int, list[int]] = {}
         self.parked: set[int] = set()
         # idle slots' pages (_return_idle): takes so far, the take count at which
-        # each FREE slot was freed, and the FREE slots whose pages went back already
+        # each FREE slot was freed, and how many slots at the bottom of `free` gave
+        # their pages back already (LIFO: the bottom is what no take wanted longest)
         self._takes = 0
         self._freed_at: dict[int, int] = {}
-        self._emptied: set[int] = set()
+        self._emptied = 0
 
     # -- views of a slot --------------------------------------------------------
     def mapping(self, slot: int):
@@ -186,28 +187,30 @@ class SlotLedger:
             raise
         self.taking = slot
         self._takes += 1
-        self._emptied.discard(slot)
         self._freed_at.pop(slot, None)
-        if self.free:
-            self._return_idle(self.free[0])
+        self._return_idle()
         return slot
 
-    def _return_idle(self, slot: int) -> None:
-        """`slot` has been FREE the longest (the bottom of the LIFO free list): if no
-        take wanted it for IDLE_TAKES takes, the pool is deeper than its requests and
-        the batches held need, so its data pages go back to the system (the header
-        and request area stay): a memory cgroup is charged for what is in flight, not
-        for how deep the pool once had to be. A later take reuses the slot as it is;
-        a batch written there faults its pages in again. One dict look-up per take
-        otherwise. Never a slot with a view alive: only FREE slots are here. On CUDA
-        (registered slots) and for share_batches leaders nothing is returned
-        (SlotPool.return_pages)."""
-        if slot in self._emptied:
+    def _return_idle(self) -> None:
+        """The FREE slot just above those at the bottom of the LIFO free list that gave
+        their pages back already has been FREE longer than any other: if no take
+        wanted it for IDLE_TAKES takes, the pool is deeper than its requests and the
+        batches held need, so its data pages go back to the system (the header and
+        request area stay): a memory cgroup is charged for what is in flight, not for
+        how deep the pool once had to be. A later take reuses the slot as it is; a
+        batch written there faults its pages in again. A few comparisons per take,
+        one slot at most. Never a slot with a view alive: only FREE slots are in
+        `free`. On CUDA (registered slots) and for share_batches leaders nothing is
+        returned (SlotPool.return_pages)."""
+        free = self.free
+        emptied = self._emptied = min(self._emptied, len(free))  # pops reached into them
+        if emptied == len(free):
             return
+        slot = free[emptied]
         freed = self._freed_at.setdefault(slot, self._takes)
         if self._takes - freed < IDLE_TAKES:
             return
-        self._emptied.add(slot)
+        self._emptied = emptied + 1
         if self.pool.return_pages(slot, fmt.DATA_OFF):
             self.stats.pages_returned += 1
 
@@ -422,6 +425,7 @@ class SlotLedger:
         cooling = set(self.gate.cooling_keys()) if self.gate is not None else set()
         self.free = [s for s in range(self.pool.num_slots - 1, -1, -1)
                      if s not in leased and s not in self.inflight and s not in cooling]
+        self._emptied = 0  # a new order: idle slots are found again (returning twice is harmless)
 
     def close(self) -> None:
         """Before the pool closes (workers stopped). With a gate: wait (bounded) for the
