@@ -325,8 +325,12 @@ def test_sigkill_of_main_and_every_worker_leaves_nothing_and_frees_the_memory():
         segments: dict[int, int] = {}
         for pid in pids:
             segments.update(proc.memfd_segments(pid))
-        pool_bytes = sum(segments.values())
-        assert len(segments) >= 3 and pool_bytes >= 3 * (8 << 20), segments
+        assert len(segments) >= 3 and sum(segments.values()) >= 3 * (8 << 20), segments
+        allocated: dict[int, int] = {}  # what the memory was: pages written, not sizes
+        for pid in pids:
+            allocated.update(proc.memfd_allocated(pid))
+        pool_bytes = sum(allocated.values())
+        assert pool_bytes >= 3 * (8 << 20), allocated
         assert _names_of(pids) == []  # nothing named
         shmem_before = proc.shmem_bytes()
         for pid in pids:
