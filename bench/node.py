@@ -312,17 +312,21 @@ def _worker_cpu(cpu0: dict, cpu1: dict, delivered: int) -> dict:
 
 
 def _status_kib(pid: int) -> dict:
-    """RssAnon, RssFile, RssShmem of `pid` (kB, /proc/<pid>/status): the account's
-    training processes and workers' base are their RssAnon."""
+    """RssAnon, RssFile, RssShmem (/proc/<pid>/status) and Pss_Anon, Pss_File,
+    Pss_Shmem (smaps_rollup) of `pid`, kB: the account's training processes and
+    workers' base are their Pss_Anon (anonymous pages a fork shares divided among the
+    processes that share them, so the sums add up to the cgroup's anon)."""
     out = {"rank": False}
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key in ("RssAnon", "RssFile", "RssShmem"):
-                    out[key] = int(value.split()[0])
-    except OSError:
-        pass
+    for name, keys in (("status", ("RssAnon", "RssFile", "RssShmem")),
+                       ("smaps_rollup", ("Pss_Anon", "Pss_File", "Pss_Shmem"))):
+        try:
+            with open(f"/proc/{pid}/{name}") as f:
+                for line in f:
+                    key, _, value = line.partition(":")
+                    if key in keys:
+                        out[key] = int(value.split()[0])
+        except OSError:
+            pass
     return out
 
 
