@@ -548,3 +548,29 @@ def test_a_pool_that_shrinks_and_grows_again_delivers_dataloaders_batches(monkey
     for busy, idle in ((7, 23), (31, 47)):
         assert figures[idle][0] < figures[busy][0] <= figures[busy][1], figures
     assert figures[31][0] > figures[23][0], figures  # grown again
+
+
+class GrowingBatches(torch.utils.data.Dataset):
+    """Item i: 3 × (32 + 8·(i // 4)) × 64 floats drawn from torch's RNG, so each batch
+    of 4 is larger than the one before (every worker's slots keep growing) and any
+    change in the order a worker fetches its requests shows in the values."""
+
+    def __len__(self):
+        return 96
+
+    def __getitem__(self, i):
+        return torch.rand(3, 32 + 8 * (i // 4), 64)
+
+
+@pytest.mark.parametrize("prefetch_factor", [2, 3])
+def test_batches_that_keep_growing_are_dataloaders_in_the_order_workers_fetch(prefetch_factor):
+    """Slots too small for what a worker already needed are grown before their request
+    is fetched, and the requests behind such a one wait for it: every batch, drawn from
+    the workers' RNGs, is DataLoader's."""
+    def make(cls):
+        return cls(GrowingBatches(), batch_size=4, num_workers=2,
+                   prefetch_factor=prefetch_factor, **pool_only(cls, slot_bytes=1 << 16))
+
+    reference, got = both_loaders(make, lambda loader: [b.clone() for b in loader])
+    assert len(got) == 24
+    assert_same(got, reference)
