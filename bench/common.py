@@ -268,7 +268,8 @@ def quantile(values: Sequence[float], q: float) -> float:
 
 def ratio(raw: Raw, cell, arm: str, baseline: str, metric: str) -> Summary:
     """arm / baseline per repetition (paired), summarised."""
-    return summarize(a / b for a, b in raw.paired(cell, arm, baseline, metric) if b)
+    return summarize(a / b for a, b in raw.paired(cell, arm, baseline, metric)
+                     if b and a is not None)
 
 
 def summaries(raw: Raw, metrics: Sequence[str], baseline: str | None = None) -> dict:

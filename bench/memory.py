@@ -28,6 +28,17 @@ the other, the order rotated per repetition, as bench/throughput.py does):
       stateful=True (the default), and stateful=False beside them (what resume capture
       costs for a module-shaped dataset).
       Target: PoolLoader ≥ 0.9 × DataLoader's batches/s.
+  (d) RF-DETR's batch (`workload.RFDETRShaped`, 16 × 576², per-sample targets) in one
+      process with `--d-workers` (8) fork workers: an epoch of `--d-batches` batches of
+      next()+del. Measured: `pss_mib`, main's and the workers' PSS summed halfway
+      through the epoch, and the cgroup peak charge.
+      Target: PoolLoader's cgroup peak ≤ 1.0 × DataLoader's (issue 45).
+
+Every arm runs in a memory cgroup of its own (bench/cgroups.py; v1 or v2, skipped with
+the reason where one cannot be made), and every part reports its peak charge
+(`cgroup_peak_mib`): what a container's memory limit counts (anonymous memory, shmem
+and memfd, the page cache the arm caused), which a PSS sum misses (batches queued
+unmapped, pages reserved but not mapped).
 
 Memory figures hardly depend on the machine's load; times do (a loaded 2-core machine
 moves them by tens of percent): compare the ratios inside one run. The table gives
@@ -65,7 +76,9 @@ TARGETS = [
     ("a", "first_s", "pool", "base", 0.5, "le", "first batch ≤ 0.5 × baseline PoolLoader's"),
     ("b", "uss_growth_mib", "frozen", "dl", 0.2, "le", "USS growth ≤ 0.2 × DataLoader's"),
     ("c", "batch_s", "stateful", "dl", 0.9, "ge", "batches/s ≥ 0.9 × DataLoader's"),
+    ("d", "cgroup_peak_mib", "pool", "dl", 1.0, "le", "cgroup peak ≤ 1.0 × DataLoader's"),
 ]
+CGROUP_ROW = ("cgroup_peak_mib", "cgroup peak MiB", ".0f")
 
 
 # ---------------------------------------------------------------------------
@@ -127,6 +140,12 @@ def child(spec: dict) -> None:
                                             generator=generator).tolist(),
                       multiprocessing_context=multiprocessing.get_context("fork"))
         kwargs["batch_size"] = 256
+    elif part == "d":
+        data = workload.RFDETRShaped(spec["d_batches"] * workload.BATCH)
+        kwargs = dict(batch_size=workload.BATCH, num_workers=spec["d_workers"],
+                      collate_fn=workload.RFDETRCollate("per_sample", pool=arm != "dl"),
+                      timeout=spec["timeout"],
+                      multiprocessing_context=multiprocessing.get_context("fork"))
     else:
         data = ModuleDataset(spec["buffer_mib"], 10**9)
         kwargs["multiprocessing_context"] = multiprocessing.get_context("fork")
@@ -153,6 +172,12 @@ def child(spec: dict) -> None:
                 del batch
                 n += 1
             result["batch_s"] = n / (time.perf_counter() - start)
+        elif part == "d":
+            for k, batch in enumerate(it):
+                del batch
+                if k == spec["d_batches"] // 2:
+                    found = [reader.read_process(p) for p in [*pids, os.getpid()]]
+                    result["pss_mib"] = sum(m["pss"] for m in found if m) / MIB
         else:
             before = {p: reader.read_process(p) for p in pids}
             for batch in it:
@@ -183,10 +208,13 @@ PARTS = {  # part -> (cells, arms, metrics shown as (metric, heading, format))
     "b": (("fork",), ("dl", "pool", "frozen"),
           (("uss_growth_mib", "USS growth MiB / worker", ".1f"), ("uss_mib", "workers' USS MiB", ".0f"))),
     "c": (("fork",), ("dl", "stateful", "nostate"), (("batch_s", "batches/s", ".1f"),)),
+    "d": (("fork",), ("dl", "pool"), (("cgroup_peak_mib", "cgroup peak MiB", ".0f"),
+                                      ("pss_mib", "main's + workers' PSS MiB", ".0f"))),
 }
 PART_TITLE = {"a": "(a) a numpy array and a tensor, read at random",
               "b": "(b) a list of dicts under fork",
-              "c": "(c) an nn.Module dataset with a buffer"}
+              "c": "(c) an nn.Module dataset with a buffer",
+              "d": "(d) RF-DETR's batch, one process, fork workers"}
 
 
 def _verdict(raw, cell, metric, arm, base, bound, sense) -> str:
@@ -208,6 +236,8 @@ def table(raw, cfg) -> str:
     out = []
     for part in cfg.parts_list:
         _cells, arms, metrics = PARTS[part]
+        if CGROUP_ROW not in metrics:
+            metrics = (*metrics, CGROUP_ROW)
         arms = [a for a in arms if a in cfg.arms]
         rows = []
         for cell in [c for c in raw.cells if c[0] == part]:
@@ -250,7 +280,9 @@ def main(argv=None) -> int:
     import writers
 
     p = common.parser(NAME, __doc__, reps=(3, 1), warmup_reps=(0, 0))
-    p.add_argument("--parts", default="a,b,c", help="which parts (a, b, c; comma-separated)")
+    p.add_argument("--parts", default="a,b,c,d", help="which parts (a, b, c, d; comma-separated)")
+    p.add_argument("--d-workers", type=int, default=8, help="(d) workers (default 8)")
+    p.add_argument("--d-batches", type=int, default=None, help="(d) batches (40; quick 24)")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--array-mib", type=int, default=None, help="(a) numpy array MiB (512; quick 128)")
     p.add_argument("--tensor-mib", type=int, default=None, help="(a) tensor MiB (256; quick 64)")
@@ -277,6 +309,7 @@ def main(argv=None) -> int:
     cfg.dicts = cfg.dicts or (100_000 if cfg.quick else 500_000)
     cfg.cow_items = cfg.cow_items or (50_000 if cfg.quick else 200_000)
     cfg.seconds = cfg.seconds or (1.5 if cfg.quick else 4.0)
+    cfg.d_batches = cfg.d_batches or (24 if cfg.quick else 40)
     cfg.arms = [a for a in ARM_LABEL if a != "base" or cfg.baseline]
     tmp = tempfile.mkdtemp(prefix="plmemory-")
     rev = ""
@@ -300,8 +333,9 @@ def main(argv=None) -> int:
                     "workers": cfg.workers, "timeout": cfg.timeout, "array_mib": cfg.array_mib,
                     "tensor_mib": cfg.tensor_mib, "batches": cfg.batches, "dicts": cfg.dicts,
                     "cow_items": cfg.cow_items, "buffer_mib": cfg.buffer_mib,
-                    "seconds": cfg.seconds, "min_batches": cfg.min_batches}
-            return revisions.run_arm(HERE, spec, cfg.timeout)
+                    "seconds": cfg.seconds, "min_batches": cfg.min_batches,
+                    "d_workers": cfg.d_workers, "d_batches": cfg.d_batches}
+            return revisions.run_arm(HERE, spec, cfg.timeout, cgroup=True)
 
         raw = _interleave_parts(common, cells, cfg, measure)
     finally:
@@ -339,7 +373,8 @@ def _interleave_parts(common, cells, cfg, measure):
         arms = [a for a in PARTS[part][1] if a in cfg.arms]
         got = common.interleave(part_cells, arms, measure, reps=cfg.reps,
                                 warmup_reps=cfg.warmup_reps, label=f"{NAME} ({part})",
-                                show=lambda m: ", ".join(f"{k}={v:.3g}" for k, v in m.items()))
+                                show=lambda m: ", ".join(f"{k}={v:.3g}" for k, v in m.items()
+                                                         if isinstance(v, (int, float))))
         for cell in part_cells:
             for arm in arms:
                 raw.values[cell][arm] = got.values[cell][arm]

@@ -251,11 +251,18 @@ def _rank_body(spec: dict, rank: int, world: int, local_rank: int) -> dict:
         out["batch_s"] = spec["batches"] / wall
         out["main_cpu_ms"] = statistics.median(cpu_ms)
         dist.barrier()  # every rank is past its timed window, every iterator alive
+        memory = getattr(getattr(loader, "stats", None), "memory", None)
+        if memory is not None:  # this rank's pool: resident of reserved (issue 45)
+            report = memory()
+            out["pool_resident_mib"] = getattr(report, "pool_resident", 0) / MIB
+            out["pool_reserved_mib"] = getattr(report, "pool_reserved", 0) / MIB
+            out["pool_slots"] = loader.stats.slot_count
         if local_rank == 0:
             cpu1 = _settled_worker_cpu(os.getppid(), rank_pids)
             delivered = world * (spec["warmup_batches"] + spec["batches"])
             out.update(_worker_cpu(cpu0, cpu1, delivered))
             out.update(_census(os.getppid(), rank_pids, read_process))
+            out.update(_cgroup_now(spec.get("cgroup")))
         dist.barrier()  # the census is taken
     finally:
         workload.shutdown_iterator(it)
@@ -304,6 +311,38 @@ def _worker_cpu(cpu0: dict, cpu1: dict, delivered: int) -> dict:
             "delivered": delivered}
 
 
+def _status_kib(pid: int) -> dict:
+    """RssAnon, RssFile, RssShmem (/proc/<pid>/status) and Pss_Anon, Pss_File,
+    Pss_Shmem (smaps_rollup) of `pid`, kB: the account's training processes and
+    workers' base are their Pss_Anon (anonymous pages a fork shares divided among the
+    processes that share them, so the sums add up to the cgroup's anon)."""
+    out = {"rank": False}
+    for name, keys in (("status", ("RssAnon", "RssFile", "RssShmem")),
+                       ("smaps_rollup", ("Pss_Anon", "Pss_File", "Pss_Shmem"))):
+        try:
+            with open(f"/proc/{pid}/{name}") as f:
+                for line in f:
+                    key, _, value = line.partition(":")
+                    if key in keys:
+                        out[key] = int(value.split()[0])
+        except OSError:
+            pass
+    return out
+
+
+def _cgroup_now(path) -> dict:
+    """The job's cgroup's charge at the census (every pipeline full), by kind: what the
+    account in docs/benchmarks.md splits (cgroups.MemoryCgroup.stat)."""
+    import cgroups
+
+    if path is None:
+        return {}
+    group = cgroups.MemoryCgroup(path, os.path.exists(os.path.join(path, "memory.usage_in_bytes")), "")
+    stat = group.stat()
+    return {"cgroup_now_mib": group.current() / MIB,
+            **{f"cgroup_{kind}_mib": value / MIB for kind, value in stat.items()}}
+
+
 def _census(torchrun: int, rank_pids: list, read_process) -> dict:
     """The job's processes and their PSS, as seen from rank 0 (see the module docstring)."""
     import procs
@@ -328,6 +367,7 @@ def _census(torchrun: int, rank_pids: list, read_process) -> dict:
             "worker_pss_mib": (total_pss - ranks_pss) / MIB,
             "torchrun_pss_mib": None if own is None else own["pss"] / MIB,
             "job_pids": sorted(job),
+            "status_kib": {pid: _status_kib(pid) for pid in job},
             "others": [f"{pid} (parent {job[pid].ppid}): "
                        f"{procs.cmdline(pid).split(' --rank-child')[0][:100]}"
                        for pid in job if pid not in rank_pids]}
@@ -339,11 +379,13 @@ def _census(torchrun: int, rank_pids: list, read_process) -> dict:
 def run_job(spec: dict, ranks: int, timeout: float) -> dict:
     """One torchrun job of `ranks` ranks; returns the measurement (job figures and
     per-rank lists); common.BenchError on a failed rank, the deadline, or leftovers."""
+    import cgroups
     import common
     import procs
 
     tmp = tempfile.mkdtemp(prefix="plnode-")
-    spec = dict(spec, out_dir=tmp)
+    group, why_not = cgroups.MemoryCgroup.make(spec["arm"])
+    spec = dict(spec, out_dir=tmp, cgroup=None if group is None else group.path)
     log_path = os.path.join(tmp, "torchrun.log")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={ranks}", HERE, "--rank-child", json.dumps(spec)]
@@ -352,7 +394,8 @@ def run_job(spec: dict, ranks: int, timeout: float) -> dict:
     try:
         with open(log_path, "w") as log:
             proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+                                    start_new_session=True,
+                                    preexec_fn=None if group is None else group.preexec())
             try:
                 proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
@@ -377,18 +420,29 @@ def run_job(spec: dict, ranks: int, timeout: float) -> dict:
         left = _leftovers(proc.pid, rank_pids, job_pids, names0)
         if left:
             raise common.BenchError(f"{spec['arm']}: the job left behind {', '.join(left)}")
+        peak = None if group is None else group.peak() / MIB
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        if group is not None:
+            group.close()
     job = results[0]
     out = {k: job[k] for k in ("processes", "workers", "pss_mib", "rank_pss_mib",
                                "worker_pss_mib", "torchrun_pss_mib", "others",
                                "worker_cpu_ms", "worker_cpu_s", "delivered")}
+    out["status_kib"] = {pid: dict(v, rank=int(pid) in rank_pids)
+                         for pid, v in job.get("status_kib", {}).items()}
+    out["cgroup_peak_mib"] = peak
+    out["cgroup_skipped"] = why_not
+    out.update({k: v for k, v in job.items() if k.startswith("cgroup_")})
     ordered = [results[r] for r in sorted(results)]
     for metric in PER_RANK:
         values = [r[metric] for r in ordered]
         out[metric] = statistics.median(values)  # what the ratios pair
         out[f"rank_{metric}"] = values           # what the table summarises
     out["first_s_max"] = max(out["rank_first_s"])
+    for metric in ("pool_resident_mib", "pool_reserved_mib", "pool_slots"):  # the ranks' pools
+        values = [r.get(metric) for r in ordered]
+        out[metric] = None if None in values else sum(values)
     return out
 
 
@@ -457,6 +511,14 @@ def _cell(raw, cell, arm, metric, spec) -> str:
 ROWS = [  # metric, heading, format
     ("workers", "worker processes", ".0f"),
     ("processes", "job processes (ranks + workers)", ".0f"),
+    ("cgroup_peak_mib", "cgroup peak charge MiB (the job's own memory cgroup)", ".0f"),
+    ("cgroup_now_mib", "cgroup charge MiB at the census", ".0f"),
+    ("cgroup_anon_mib", "of which anonymous MiB", ".0f"),
+    ("cgroup_shmem_mib", "of which shmem/memfd MiB", ".0f"),
+    ("cgroup_file_mib", "of which page cache MiB", ".0f"),
+    ("pool_slots", "slots, every rank's pool", ".0f"),
+    ("pool_reserved_mib", "slots reserved MiB (stats.memory(), summed over ranks)", ".0f"),
+    ("pool_resident_mib", "slots resident MiB (stats.memory(), summed over ranks)", ".0f"),
     ("pss_mib", "node PSS MiB (job's processes)", ".0f"),
     ("worker_pss_mib", "of which workers' PSS MiB", ".0f"),
     ("first_s", "first batch s, per rank", ".2f"),
@@ -471,7 +533,8 @@ def table(raw, cfg) -> str:
     import writers
 
     arms = [a for a in ARMS if a in cfg.arms_list]
-    ratios = [(a, b) for a, b in (("node", "pool"), ("share", "pool"), ("pool", "torch"))
+    ratios = [(a, b) for a, b in (("node", "pool"), ("share", "pool"), ("pool", "torch"),
+                                  ("node", "torch"))
               if a in arms and b in arms]
     out = []
     for cell in raw.cells:

@@ -100,16 +100,36 @@ def arm_leftovers(names0: set[str], pids: Iterable[int], timeout: float = 10.0) 
         time.sleep(0.05)
 
 
-def run_arm(script: str, spec: dict, timeout: float) -> dict:
+def run_arm(script: str, spec: dict, timeout: float, cgroup: bool = False) -> dict:
     """Run one arm: `script --child JSON(spec)` in a fresh interpreter importing
     `spec["tree"]`, in its own session; past `timeout` the whole session (the arm and its
     workers) is killed, so nothing runs into the next arm. Returns the child's last JSON
     line less its `left` list; raises BenchError when the arm ran too long, failed, left
-    something behind (`left`, from `arm_leftovers`) or printed `SKIPPED` (with why)."""
+    something behind (`left`, from `arm_leftovers`) or printed `SKIPPED` (with why).
+
+    `cgroup`: the arm runs in a memory cgroup of its own (bench/cgroups.py); the
+    result gets `cgroup_peak_mib` (None, and `cgroup_skipped` saying why, where one
+    cannot be made)."""
+    import cgroups
+
+    group, why_not = cgroups.MemoryCgroup.make(spec["arm"]) if cgroup else (None, None)
+    try:
+        result = _run_arm(script, spec, timeout, group)
+        if cgroup:
+            result["cgroup_peak_mib"] = None if group is None else group.peak() / cgroups.MIB
+            result["cgroup_skipped"] = why_not
+        return result
+    finally:
+        if group is not None:
+            group.close()
+
+
+def _run_arm(script: str, spec: dict, timeout: float, group) -> dict:
     env = dict(os.environ, PYTHONPATH=spec["tree"])
     proc = subprocess.Popen([sys.executable, script, "--child", json.dumps(spec)], cwd=spec["tree"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True,
+                            preexec_fn=None if group is None else group.preexec())
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

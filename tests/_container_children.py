@@ -12,6 +12,11 @@
   its limit; then one epoch of samples read from FILE with DataLoader, the same epoch
   with PoolLoader (default backend), an epoch whose slots grow after the first
   batches, and a pool larger than the cgroup can give. Prints one JSON line.
+* `cgroup-epochs LOADER`: run inside a 640 MiB memory cgroup (its test moved this
+  process there before exec): 3 epochs (new workers each) of batches whose size
+  varies from 8 to 48 MiB, with DataLoader or PoolLoader (LOADER: "dataloader" or
+  "pool"), 2 fork workers; prints one JSON line: each batch's digest, and the pool's
+  stats.
 * `no-proc-fd METHOD`: run without CAP_SYS_PTRACE (its test starts it under setpriv
   or capsh); makes itself non-dumpable (prctl PR_SET_DUMPABLE 0), so no other process
   of its user may open /proc/<its pid>/fd/N, then runs PoolLoader epochs with workers
@@ -239,6 +244,34 @@ def no_proc_fd(method: str) -> None:
     print(json.dumps(out), flush=True)
 
 
+class VaryingBatches(torch.utils.data.Dataset):
+    """Item i: a float32 tensor of 1 to 6 MiB (the same for every item of a batch of
+    8: batches of 8 to 48 MiB, varying from batch to batch) filled with i plus a
+    random number (workers' seeding shows)."""
+
+    def __len__(self) -> int:
+        return 96
+
+    def __getitem__(self, i: int):
+        mib = 1 + (i // 8 * 5) % 6
+        return torch.full((mib, 256, 1024), float(i)) + torch.rand(1)
+
+
+def cgroup_epochs(kind: str) -> None:
+    cls = DataLoader if kind == "dataloader" else PoolLoader
+    loader = cls(VaryingBatches(), batch_size=8, num_workers=2,
+                 generator=torch.Generator().manual_seed(0),
+                 multiprocessing_context=multiprocessing.get_context("fork"), timeout=120)
+    out: dict = {"digests": []}
+    for _ in range(3):
+        out["digests"] += _digests(loader)
+    if kind != "dataloader":
+        out["stats"] = {k: v for k, v in loader.stats.as_dict().items()
+                        if k in ("slot_growths", "pool_growths", "peak_slot_count",
+                                 "peak_pool_bytes", "pages_returned")}
+    print(json.dumps(out), flush=True)
+
+
 if __name__ == "__main__":
     {"small-shm": small_shm, "hold": hold, "cgroup-cache": cgroup_cache,
-     "no-proc-fd": no_proc_fd}[sys.argv[1]](*sys.argv[2:])
+     "no-proc-fd": no_proc_fd, "cgroup-epochs": cgroup_epochs}[sys.argv[1]](*sys.argv[2:])

@@ -149,6 +149,29 @@ def memfd_segments(pid="self") -> dict[int, int]:
     return out
 
 
+def memfd_allocated(pid="self") -> dict[int, int]:
+    """{inode: bytes allocated} of the poolloader memfd segments `pid` maps: the pages
+    that exist (a slot's pages are charged as written, not at creation), from
+    st_blocks of /proc/<pid>/map_files/<range> (root, or CAP_SYS_ADMIN); where that
+    cannot be read, the segment's size."""
+    out: dict[int, int] = {}
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            lines = [line.split(maxsplit=5) for line in f]
+    except OSError:
+        return out
+    for fields in lines:
+        if len(fields) > 5 and fields[5].startswith(MEMFD_TAG):
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            inode = int(fields[4])
+            try:
+                allocated = os.stat(f"/proc/{pid}/map_files/{fields[0]}").st_blocks * 512
+            except OSError:
+                allocated = hi - lo
+            out[inode] = max(out.get(inode, 0), allocated)
+    return out
+
+
 def memfd_holders(inodes) -> dict[int, set[int]]:
     """{inode: pids that map it or hold a descriptor of it}, over every process."""
     inodes = set(inodes)

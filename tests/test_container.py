@@ -201,6 +201,56 @@ def test_a_memory_limit_full_of_page_cache_runs_the_epochs_dataloader_runs(tmp_p
             os.unlink(path)
 
 
+EPOCHS_LIMIT = 640 << 20
+
+
+def _peak(cgroup: str) -> int:
+    """The cgroup's peak charge so far (v1 memory.max_usage_in_bytes, v2 memory.peak)."""
+    for name in ("memory.max_usage_in_bytes", "memory.peak"):
+        try:
+            with open(os.path.join(cgroup, name)) as f:
+                return int(f.read())
+        except OSError:
+            pass
+    return -1
+
+
+@pytest.mark.timeout(300)
+def test_a_640_mib_limit_runs_varying_batches_over_epochs_as_dataloader_does():
+    """In a 640 MiB memory cgroup, 3 epochs of batches from 8 to 48 MiB with 2 workers:
+    DataLoader runs them, and so does PoolLoader, with no OOM kill and the same batches
+    (each loader in a fresh cgroup of its own). Before its slots were charged as written,
+    PoolLoader's reserved headroom, spare slots and the batches workers held while
+    their slots grew went past what DataLoader needs."""
+    results, peaks = {}, {}
+    for kind in ("dataloader", "pool"):
+        cgroup, reason = _make_memory_cgroup(f"poolloader-epochs-{kind}-{os.getpid()}",
+                                             EPOCHS_LIMIT)
+        if cgroup is None:
+            pytest.skip(reason)
+        try:
+            child = subprocess.Popen(
+                ["sh", "-c", f'echo $$ > "$0/cgroup.procs" || exit {CANNOT_JOIN}; exec "$@"',
+                 cgroup, sys.executable, CHILDREN, "cgroup-epochs", kind],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            out, err = communicate_within(child, 240, f"the memory-limited {kind} child")
+            if child.returncode == CANNOT_JOIN:  # v2's rule: no process in an inner node
+                pytest.skip(f"a process cannot join the new cgroup {cgroup}: {err.strip()}")
+            oom_kills = _oom_kills(cgroup)
+            peaks[kind] = _peak(cgroup)
+            assert child.returncode == 0 and oom_kills == 0, \
+                (kind, child.returncode, oom_kills, err[-3000:])
+            results[kind] = json.loads(out.strip().splitlines()[-1])
+        finally:
+            _remove_cgroup(cgroup)
+    print({"peak_mib": {k: v / (1 << 20) for k, v in peaks.items()},
+           "stats": results["pool"]["stats"]})
+    assert len(results["dataloader"]["digests"]) == 36
+    assert results["pool"]["digests"] == results["dataloader"]["digests"]
+    assert results["pool"]["stats"]["slot_growths"] >= 1  # the slots grew as batches did
+    assert 0 < peaks["pool"] <= EPOCHS_LIMIT
+
+
 CAP_SYS_PTRACE = 19
 
 
@@ -275,8 +325,12 @@ def test_sigkill_of_main_and_every_worker_leaves_nothing_and_frees_the_memory():
         segments: dict[int, int] = {}
         for pid in pids:
             segments.update(proc.memfd_segments(pid))
-        pool_bytes = sum(segments.values())
-        assert len(segments) >= 3 and pool_bytes >= 3 * (8 << 20), segments
+        assert len(segments) >= 3 and sum(segments.values()) >= 3 * (8 << 20), segments
+        allocated: dict[int, int] = {}  # what the memory was: pages written, not sizes
+        for pid in pids:
+            allocated.update(proc.memfd_allocated(pid))
+        pool_bytes = sum(allocated.values())
+        assert pool_bytes >= 3 * (8 << 20), allocated
         assert _names_of(pids) == []  # nothing named
         shmem_before = proc.shmem_bytes()
         for pid in pids:

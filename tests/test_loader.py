@@ -506,3 +506,71 @@ def test_requests_reach_the_fetcher_with_the_samplers_types(sampler):
     assert [[t[:2] for t in b] for b in got] == [[t[:2] for t in b] for b in ref]
     types = {t[:2] for b in got for t in b}
     assert types == ({("list", "int")} if sampler == "shuffle" else {("list", "int64"), ("list", "int")})
+
+
+def test_a_pool_that_shrinks_and_grows_again_delivers_dataloaders_batches(monkeypatch):
+    """A pool of 10 slots (slots=10) whose consumer holds three batches (every slot in
+    use), then none for a while (the slots it no longer needs give their pages back:
+    stats.pages_returned, resident < reserved), then three again (those slots are
+    written anew), twice over: every batch, random augmentation included, is
+    DataLoader's."""
+    from poolloader.main import ledger
+    monkeypatch.setattr(ledger, "IDLE_TAKES", 4)
+    pattern = [3] * 8 + [0] * 16 + [3] * 8 + [0] * 16  # batches held, per batch delivered
+    figures: dict = {}
+
+    def run(loader):
+        out, held = [], []
+        for k, batch in enumerate(loader):
+            out.append(copy.deepcopy(batch))
+            held.append(batch)
+            del held[:max(0, len(held) - pattern[k])]
+            del batch
+            if isinstance(loader, PoolLoader) and k in (7, 23, 31, 47):
+                report = loader.stats.memory()
+                figures[k] = (report.pool_resident, report.pool_reserved,
+                              loader.stats.pages_returned)
+        if isinstance(loader, PoolLoader):
+            figures["detaches"] = loader.stats.detaches
+        return out
+
+    def make(cls):
+        return cls(ds.AugmentDataset(n=len(pattern) * 4, shape=(3, 128, 128)), batch_size=4,
+                   num_workers=2, shuffle=True, generator=torch.Generator().manual_seed(5),
+                   **pool_only(cls, slots=10))
+
+    reference, got = both_loaders(make, run)
+    assert len(got) == len(pattern)
+    assert_same(got, reference)
+    assert figures["detaches"] == 0, figures  # ten slots held what was in use
+    # each idle stretch gave pages back, and each busy one took those slots again
+    assert figures[7][2] < figures[23][2] <= figures[31][2] < figures[47][2], figures
+    for busy, idle in ((7, 23), (31, 47)):
+        assert figures[idle][0] < figures[busy][0] <= figures[busy][1], figures
+    assert figures[31][0] > figures[23][0], figures  # grown again
+
+
+class GrowingBatches(torch.utils.data.Dataset):
+    """Item i: 3 × (32 + 8·(i // 4)) × 64 floats drawn from torch's RNG, so each batch
+    of 4 is larger than the one before (every worker's slots keep growing) and any
+    change in the order a worker fetches its requests shows in the values."""
+
+    def __len__(self):
+        return 96
+
+    def __getitem__(self, i):
+        return torch.rand(3, 32 + 8 * (i // 4), 64)
+
+
+@pytest.mark.parametrize("prefetch_factor", [2, 3])
+def test_batches_that_keep_growing_are_dataloaders_in_the_order_workers_fetch(prefetch_factor):
+    """Slots too small for what a worker already needed are grown before their request
+    is fetched, and the requests behind such a one wait for it: every batch, drawn from
+    the workers' RNGs, is DataLoader's."""
+    def make(cls):
+        return cls(GrowingBatches(), batch_size=4, num_workers=2,
+                   prefetch_factor=prefetch_factor, **pool_only(cls, slot_bytes=1 << 16))
+
+    reference, got = both_loaders(make, lambda loader: [b.clone() for b in loader])
+    assert len(got) == 24
+    assert_same(got, reference)

@@ -308,3 +308,32 @@ def test_dropped_detached_batches_are_unmapped_when_dropped():
     ref = [b[0] for b in DataLoader(data, batch_size=2)]
     got = [b[0].clone() for b in loader]
     assert_same(ref, got)
+
+
+def test_a_held_batch_keeps_its_pages_while_idle_slots_give_theirs_back(monkeypatch):
+    """Batches 0 and 1 are kept for a whole epoch while the pool (slots=10, deeper than
+    needed) gives the pages of its idle slots back (MADV_REMOVE) after 2 idle takes:
+    the kept batches never change (a returned page would read as zeros), and pages did
+    go back. A pool's return_pages refuses a slot a batch still views."""
+    from poolloader.main import ledger
+    monkeypatch.setattr(ledger, "IDLE_TAKES", 2)
+    loader = PoolLoader(ds.AugmentDataset(n=40 * 4, shape=(3, 128, 128)), batch_size=4,
+                        num_workers=2, slots=10)
+    it = iter(loader)
+    kept = [next(it), next(it)]
+    copies = copy.deepcopy(kept)
+    refused = []
+    for k, batch in enumerate(it):
+        del batch
+        if k == 20:  # mid-epoch: the slots the kept batches view are refused
+            pool = loader.stats._live_pool()
+            slots = {s for s in range(pool.num_slots)
+                     if pool.mappings[s] is not None and pool.mappings[s].leases}
+            refused = [pool.return_pages(s, fmt.DATA_OFF) for s in slots]
+    assert len(refused) >= 2 and not any(refused), refused
+    assert loader.stats.pages_returned >= 2
+    for batch, reference in zip(kept, copies):
+        assert_same(batch, reference)
+        assert batch["image"].abs().sum() > 0
+    del it, kept, copies
+    gc.collect()

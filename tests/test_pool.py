@@ -176,3 +176,22 @@ def test_memfd_space_check_counts_clean_page_cache_of_either_cgroup_version(tmp_
     assert free == 4500 and "total_inactive_file + total_active_file (5000)" in counted
     (tmp_path / "memory.stat").write_text("total_inactive_file 10\ntotal_dirty 50\n")
     assert reclaimable(str(tmp_path), "v1")[0] == 0
+
+
+def test_return_pages_empties_a_free_slots_data_and_keeps_its_header(pool):
+    """SlotPool.return_pages punches a slot's pages from an offset on (MADV_REMOVE):
+    resident_bytes drops, the bytes before the offset stay, those after read as zeros,
+    and a later write faults pages in again; an offset past the end is refused."""
+    mapping = pool.mappings[0]
+    view = memoryview(mapping)
+    view[:] = b"\x07" * mapping.size
+    assert pool.resident_bytes() >= mapping.size
+    before = pool.resident_bytes()
+    assert pool.return_pages(0, PAGE) is True
+    assert pool.resident_bytes() == before - (mapping.size - PAGE)
+    view[PAGE:2 * PAGE] = b"\x01" * PAGE
+    assert pool.resident_bytes() == before - (mapping.size - 2 * PAGE)
+    assert bytes(view[:PAGE]) == b"\x07" * PAGE
+    assert bytes(view[2 * PAGE:]) == bytes(mapping.size - 2 * PAGE)  # (a read faults a page in)
+    assert pool.return_pages(0, mapping.size) is False
+    view.release()

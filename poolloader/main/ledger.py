@@ -48,6 +48,10 @@ GROWTH_FACTOR = 1.25
 # Slots beyond num_workers * prefetch_factor for batches the consumer holds.
 SPARE_SLOTS = 2
 
+# A FREE slot that no request took for this many takes while others were taken is
+# more than the pool needs: its pages are given back (SlotLedger._return_idle).
+IDLE_TAKES = 16
+
 # A share_batches hold that is never given back (SlotLedger.share_abandon).
 _NEVER = 1 << 62
 
@@ -115,6 +119,12 @@ class SlotLedger:
         # followers still hold]; `parked`: such slots whose views here are gone too
         self.shared: dict[int, list[int]] = {}
         self.parked: set[int] = set()
+        # idle slots' pages (_return_idle): takes so far, the take count at which
+        # each FREE slot was freed, and how many slots at the bottom of `free` gave
+        # their pages back already (LIFO: the bottom is what no take wanted longest)
+        self._takes = 0
+        self._freed_at: dict[int, int] = {}
+        self._emptied = 0
 
     # -- views of a slot --------------------------------------------------------
     def mapping(self, slot: int):
@@ -176,7 +186,33 @@ class SlotLedger:
             self.free.append(slot)
             raise
         self.taking = slot
+        self._takes += 1
+        self._freed_at.pop(slot, None)
+        self._return_idle()
         return slot
+
+    def _return_idle(self) -> None:
+        """The FREE slot just above those at the bottom of the LIFO free list that gave
+        their pages back already has been FREE longer than any other: if no take
+        wanted it for IDLE_TAKES takes, the pool is deeper than its requests and the
+        batches held need, so its data pages go back to the system (the header and
+        request area stay): a memory cgroup is charged for what is in flight, not for
+        how deep the pool once had to be. A later take reuses the slot as it is; a
+        batch written there faults its pages in again. A few comparisons per take,
+        one slot at most. Never a slot with a view alive: only FREE slots are in
+        `free`. On CUDA (registered slots) and for share_batches leaders nothing is
+        returned (SlotPool.return_pages)."""
+        free = self.free
+        emptied = self._emptied = min(self._emptied, len(free))  # pops reached into them
+        if emptied == len(free):
+            return
+        slot = free[emptied]
+        freed = self._freed_at.setdefault(slot, self._takes)
+        if self._takes - freed < IDLE_TAKES:
+            return
+        self._emptied = emptied + 1
+        if self.pool.return_pages(slot, fmt.DATA_OFF):
+            self.stats.pages_returned += 1
 
     def put_back(self) -> None:
         """The caller of take() could not record the slot it got (an error or an
@@ -227,6 +263,7 @@ class SlotLedger:
         if self.gate is not None:
             self.gate.release(slot)  # FREE once every copy that may read it is done
         else:
+            self._freed_at[slot] = self._takes
             self.free.append(slot)
 
     def drain(self) -> None:
@@ -388,6 +425,7 @@ class SlotLedger:
         cooling = set(self.gate.cooling_keys()) if self.gate is not None else set()
         self.free = [s for s in range(self.pool.num_slots - 1, -1, -1)
                      if s not in leased and s not in self.inflight and s not in cooling]
+        self._emptied = 0  # a new order: idle slots are found again (returning twice is harmless)
 
     def close(self) -> None:
         """Before the pool closes (workers stopped). With a gate: wait (bounded) for the

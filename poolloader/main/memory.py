@@ -1,5 +1,6 @@
 """How much memory the loader's processes hold, read from /proc on request
-(LoaderStats.memory(); never on the per-batch path).
+(LoaderStats.memory(); never on the per-batch path), and how much of the pool's
+reserved bytes are resident (SlotPool.resident_bytes: mincore over each slot).
 
 Per process: USS (unique: Private_Clean + Private_Dirty, what exiting it would free),
 PSS (proportional: each shared page divided among the processes that map it, so the
@@ -47,6 +48,11 @@ class MemoryReport:
 
     workers: tuple[WorkerMemory, ...]
     main: ProcessMemory | None
+    # the live pool's slots: bytes whose pages exist now (what a memory cgroup is
+    # charged for them: written by a batch, not yet returned) and bytes reserved
+    # (the slots' sizes); both 0 without a live pool
+    pool_resident: int = 0
+    pool_reserved: int = 0
 
     def _sum(self, field: str) -> int:
         return sum(getattr(w, field) for w in self.workers)
@@ -63,7 +69,8 @@ class MemoryReport:
         return {"workers": [dict(one(w), worker_id=w.worker_id) for w in self.workers],
                 "main": None if self.main is None else one(self.main),
                 "workers_uss": self.workers_uss, "workers_pss": self.workers_pss,
-                "workers_rss": self.workers_rss, "workers_shared": self.workers_shared}
+                "workers_rss": self.workers_rss, "workers_shared": self.workers_shared,
+                "pool_resident": self.pool_resident, "pool_reserved": self.pool_reserved}
 
     def line(self) -> str:
         """One line for a summary: the workers' USS and PSS sums, main's USS and PSS."""
@@ -71,6 +78,9 @@ class MemoryReport:
                 f"USS {_mib(self.workers_uss)}, PSS {_mib(self.workers_pss)} (sums)")
         if self.main is not None:
             text += f"; main USS {_mib(self.main.uss)}, PSS {_mib(self.main.pss)}"
+        if self.pool_reserved:
+            text += (f"; pool {_mib(self.pool_resident)} resident of "
+                     f"{_mib(self.pool_reserved)} reserved")
         return text
 
 
@@ -117,9 +127,10 @@ def read_process(pid: int, proc: str = "/proc") -> dict[str, int] | None:
     return parse_smaps(text)
 
 
-def report(workers: list[tuple[int, int]], proc: str = "/proc") -> MemoryReport:
+def report(workers: list[tuple[int, int]], proc: str = "/proc",
+           pool: tuple[int, int] = (0, 0)) -> MemoryReport:
     """A MemoryReport of `workers` ((worker_id, pid) of each live worker, in id order)
-    and of this process."""
+    and of this process; `pool`: the live pool's (resident, reserved) bytes."""
     found = []
     for worker_id, pid in workers:
         figures = read_process(pid, proc)
@@ -127,4 +138,4 @@ def report(workers: list[tuple[int, int]], proc: str = "/proc") -> MemoryReport:
             found.append(WorkerMemory(pid=pid, worker_id=worker_id, **figures))
     own = read_process(os.getpid(), proc)
     main = None if own is None else ProcessMemory(pid=os.getpid(), **own)
-    return MemoryReport(tuple(found), main)
+    return MemoryReport(tuple(found), main, *pool)

@@ -101,7 +101,7 @@ class SharedStart:
             spans.append((offset, buffer.raw().nbytes))
             end = offset + buffer.raw().nbytes
         mapping, fd, inode = memfd.create(max(1, end), "the workers' start arguments",
-                                          "start", dontfork=True)
+                                          "start", dontfork=True, reserve=True)
         try:
             memory: Any = mapping  # a buffer exporter (poolloader.shm._shm: no __buffer__ in its stub)
             with memoryview(memory) as target:

@@ -28,6 +28,10 @@ class LoaderStats:
                      slot, or every other slot was cooling (see cooling_growths)
     detaches         held batches detached from the pool: the consumer kept every
                      slot's batch, so the oldest one's segment left the pool with it
+    pages_returned   times a FREE slot's pages were given back to the system because
+                     the pool had been deeper than its requests and held batches
+                     needed for a while (ledger.IDLE_TAKES; never on CUDA: see
+                     SlotLedger._return_idle)
     cooling_growths  slots added because every free slot was still cooling: waiting
                      for CUDA copies that may read it (pin_memory=True / device=)
     cooling_waits    times next() had to wait for a cooling slot (the pool was at
@@ -49,6 +53,7 @@ class LoaderStats:
     memory()         the workers' and main's memory, read from /proc now (a
                      poolloader.main.memory.MemoryReport: per live worker its id, pid,
                      uss, pss, rss and shared bytes, main's, and the workers' sums;
+                     the pool's resident bytes against its reserved ones;
                      no workers when no iterator is live; with node_workers= one entry per
                      process, under the first logical worker it hosts). Costs one /proc read per
                      process, so it is a call, never done per batch
@@ -70,6 +75,7 @@ class LoaderStats:
         self.slot_growths = 0
         self.pool_growths = 0
         self.detaches = 0
+        self.pages_returned = 0
         self.cooling_growths = 0
         self.cooling_waits = 0
         self.cooling_wait_s = 0.0
@@ -148,9 +154,15 @@ class LoaderStats:
 
     def memory(self) -> MemoryReport:
         """The live workers' memory and main's, read from /proc now (see the class
-        docstring). A worker that has exited, or exits while this reads, is left out."""
+        docstring), and the live pool's resident bytes against its reserved bytes
+        (`pool_resident`, `pool_reserved`: mincore over every slot). A worker that has
+        exited, or exits while this reads, is left out."""
         live = []
-        if self._live_pool() is not None:
+        pool = self._live_pool()
+        figures = (0, 0)
+        if pool is not None:
+            resident = getattr(pool, "resident_bytes", None)
+            figures = (resident() if resident is not None else 0, pool.total_bytes)
             seen = set()  # with node_workers= one process hosts several logical workers
             for worker_id, process in enumerate(self._workers):
                 # exitcode polls without waiting; a live child's pid is not reused until
@@ -158,7 +170,7 @@ class LoaderStats:
                 if process.pid is not None and process.pid not in seen and process.exitcode is None:
                     seen.add(process.pid)
                     live.append((worker_id, process.pid))
-        return report(live)
+        return report(live, pool=figures)
 
     def detach_pool(self, pool) -> None:
         """Called by the iterator before it closes `pool`: its worker counters and peaks
@@ -231,7 +243,7 @@ class LoaderStats:
             "worker_busy_s": round(self.worker_busy_s, 6),
             "worker_idle_s": round(self.worker_idle_s, 6),
             "slot_growths": self.slot_growths, "pool_growths": self.pool_growths,
-            "detaches": self.detaches,
+            "detaches": self.detaches, "pages_returned": self.pages_returned,
             "cooling_growths": self.cooling_growths, "cooling_waits": self.cooling_waits,
             "cooling_wait_s": round(self.cooling_wait_s, 6),
             "startup_s": round(self.startup_s, 6), "iter_s": round(self.iter_s, 6),

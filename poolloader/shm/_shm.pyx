@@ -48,6 +48,8 @@ cdef extern from "sys/mman.h" nogil:
     int madvise(void *addr, size_t length, int advice)
     int PROT_READ, PROT_WRITE, MAP_SHARED, MAP_PRIVATE, MADV_DONTFORK, MADV_DOFORK
     int MADV_DONTNEED
+    int MADV_REMOVE
+    int mincore(void *addr, size_t length, unsigned char *vec)
     void *MAP_FAILED
 
 from libc.errno cimport errno
@@ -145,6 +147,51 @@ cdef class Mapping:
             code = madvise(start, length, MADV_DONTNEED)
         if code != 0:
             raise OSError(errno, f"madvise(MADV_DONTNEED) of {length} bytes at offset {offset} failed")
+
+    def return_pages(self, size_t offset, size_t length):
+        """Give the segment's pages of [offset, offset + length) back to the system
+        (MADV_REMOVE: a hole punched in the memfd or tmpfs file, in every process that
+        maps it; the next write there faults in zeroed pages, charged anew). A shared
+        mapping with no Lease alive, which only its one owner may call (a FREE slot,
+        main's; never one registered with CUDA: a pinned page would stay the device's
+        while the segment got a new one). `offset` page-aligned."""
+        if length == 0:
+            return
+        if self._addr == NULL:
+            raise ValueError("mapping is closed")
+        if offset > self.size or length > self.size - offset:
+            raise ValueError(f"return_pages [{offset}, {offset + length}) outside a mapping "
+                             f"of {self.size} bytes")
+        if self.private:
+            raise ValueError("return_pages of a private mapping: discard() drops its copies")
+        if self.leases:
+            raise BufferError(f"cannot return pages: {self.leases} batches view this mapping")
+        cdef char *start = <char *>self._addr + offset
+        cdef int code
+        with nogil:
+            code = madvise(start, length, MADV_REMOVE)
+        if code != 0:
+            raise OSError(errno, f"madvise(MADV_REMOVE) of {length} bytes at offset {offset} failed")
+
+    def resident_bytes(self):
+        """Bytes of this mapping whose pages are in memory now (mincore; for a shared
+        mapping, the segment's pages that exist, whoever wrote them). O(pages): for
+        reports, never the per-batch path."""
+        if self._addr == NULL:
+            return 0
+        cdef size_t page = 4096
+        cdef size_t pages = (self.size + page - 1) // page
+        cdef bytearray vec = bytearray(pages)
+        cdef unsigned char *v = vec
+        cdef int code
+        with nogil:
+            code = mincore(self._addr, self.size, v)
+        if code != 0:
+            raise OSError(errno, "mincore failed")
+        cdef size_t count = 0, i
+        for i in range(pages):
+            count += v[i] & 1
+        return count * page
 
     def pull(self, Mapping source, size_t offset, size_t length):
         """Copy [offset, offset + length) of `source` (a mapping of the same size) into

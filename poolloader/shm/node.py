@@ -72,7 +72,8 @@ class NodeSegment:
     def create(cls, processes: int) -> NodeSegment:
         """The host's: a new segment with `processes` doorbells and the host's lock taken."""
         nbytes = _nbytes(processes)
-        mapping, fd, inode = memfd.create(nbytes, "the node pool's control segment", "node")
+        mapping, fd, inode = memfd.create(nbytes, "the node pool's control segment", "node",
+                                          reserve=True)
         try:
             if not take_owner_lock(fd, HOST_BYTE):
                 raise RuntimeError("internal error: a new memfd's host lock is already held")

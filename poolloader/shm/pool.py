@@ -192,6 +192,12 @@ class SlotPool:
     def total_bytes(self) -> int:
         return sum(m.size for m in self.mappings if m is not None)
 
+    def resident_bytes(self) -> int:
+        """Bytes of the slots' segments whose pages exist now (written by a batch and
+        not returned since: what a memory cgroup is charged for them), out of
+        total_bytes reserved. O(pages): for reports, never per batch."""
+        return sum(m.resident_bytes() for m in self.mappings if m is not None)
+
     @property
     def is_open(self) -> bool:
         """Slots are mapped and the control block is there (not closed yet)."""
@@ -361,6 +367,21 @@ class SlotPool:
         if not self.keep_handles or not isinstance(key, int):
             raise RuntimeError(f"internal error: slot {slot} keeps no descriptor")
         return key
+
+    def return_pages(self, slot: int, start: int) -> bool:
+        """Give back the pages of `slot`'s segment from `start` (page-aligned) on:
+        punched out of the segment in every process that maps it, charged anew when
+        a batch writes there again. Main must own the slot (FREE) and hold no view
+        of it. Refused (False) where pages must stay: a mapping registered with CUDA
+        (a pinned page would stay the device's while the segment got a new one), a
+        share_batches leader's (its private views map the segment's pages), or one
+        a forked child may still read."""
+        mapping = self.mappings[slot]
+        if (mapping is None or self._on_map is not None or self.views is not None
+                or mapping.forked or mapping.leases or start >= mapping.size):
+            return False
+        mapping.return_pages(start, mapping.size - start)
+        return True
 
     def needs_resize(self, slot: int) -> bool:
         mapping = self.mappings[slot]

@@ -11,6 +11,7 @@ ExceptionWrapper.
 """
 from __future__ import annotations
 
+import collections
 import copy
 import os
 import random
@@ -27,7 +28,7 @@ from torch.utils.data._utils.collate import default_collate
 from torch.utils.data._utils.worker import WorkerInfo, _generate_state
 from torch.utils.data.graph_settings import apply_random_seed
 
-from poolloader.errors import RingClosed, RingTimeout
+from poolloader.errors import RingClosed, RingTimeout, SlotCorrupt
 from poolloader.resume.keys import WorkerProgress
 from poolloader.shm.pool import WorkerSlots
 from poolloader.wire import codec, filling
@@ -42,6 +43,10 @@ WORKER_TICK = 0.25
 # while it runs, as a DataLoader worker inherits them from its rank.
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "WORLD_SIZE",
                   "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "ROLE_NAME")
+# pending[slot]'s payload for a request whose fetch waits for a bigger slot (serve)
+_DEFERRED = object()
+# serve()'s answer for a request held until the requests before it are fetched
+PARKED = -1
 
 
 @dataclass
@@ -158,7 +163,13 @@ class LogicalWorker:
         self.epoch = 0
         self.iteration_end = False
         # slot -> (payload, status, resume record) awaiting a bigger slot
-        self.pending: dict[int, tuple[Any, int, bytes]] = {}
+        # (or (_DEFERRED, ST_READY, the request's indices): a request not yet fetched)
+        self.pending: dict[int, tuple[Any, int, Any]] = {}
+        self.grow_hint = 0  # the largest slot a batch of this worker needed
+        # (slot, deferred) of requests popped and not yet fetched, in the order they
+        # came: deferred ones wait for main to grow their slot, the others (parked)
+        # for those before them (serve)
+        self.waiting: collections.deque = collections.deque()
         self.request_ring = control.request_rings[cfg.worker_id]
         self.done_ring = control.done_rings[cfg.worker_id]
         self.stats = control.worker_stats[cfg.worker_id]
@@ -199,30 +210,79 @@ class LogicalWorker:
             if np_state is not None:
                 _numpy().random.set_state(np_state)
 
-    def serve(self, slots: WorkerSlots, writer: codec.SlotWriter, slot: int) -> int:
+    def _enter_epoch(self, req_epoch: int, shared_seed) -> None:
+        """The request about to be fetched belongs to epoch `req_epoch`: a new one
+        starts the epoch's fetcher (an IterableDataset's __iter__ runs here)."""
+        if req_epoch == self.epoch:
+            return
+        self.epoch = req_epoch
+        self.iteration_end = False
+        if isinstance(self.dataset, IterDataPipe):  # DataLoader's _ResumeIteration
+            self.dataset = apply_random_seed(self.dataset,
+                                             torch.Generator().manual_seed(shared_seed))
+        if self.init_exception is None:
+            try:
+                self.fetcher = self.progress.epoch_fetcher(self.new_fetcher)
+            except Exception:
+                self.fetcher = None
+                self.init_exception = ExceptionWrapper(where=self.where)
+
+    def _defer(self, mapping, header, slot: int) -> int:
+        """Ask main for `slot` grown to grow_hint before fetching its request; keep the
+        request (indices, epoch, seed) for then. Returns ST_GROW."""
+        request = (fmt.read_request(mapping, header), fmt.request_epoch(header),
+                   fmt.request_shared_seed(header))
+        self.pending[slot] = (_DEFERRED, fmt.ST_READY, request)
+        self.waiting.append((slot, True))
+        fmt.mark_grow(header, self.grow_hint)
+        return fmt.ST_GROW
+
+    def serve(self, slots: WorkerSlots, writer: codec.SlotWriter, slot: int,
+              in_turn: bool = False) -> int:
         """Produce the reply to the request in `slot` (popped from this worker's request
-        ring) into it; returns its status."""
+        ring, or `in_turn`: the oldest of `waiting`, parked) into it; returns its
+        status, or PARKED (no reply yet: do not push the slot).
+
+        A request in a slot smaller than a batch of this worker already needed
+        (`grow_hint`) is not fetched into it: the worker asks main for a slot that
+        big first (`_defer`), keeping only the request, and fetches it when the slot
+        comes back. A batch fetched into a slot too small is held in this process's
+        memory until the slot grows, so without this every request sent before the
+        first growth (all of them at start) held a batch's worth of private memory
+        besides its slot (issue 45: the first epoch's peak charge). Requests are
+        fetched in the order they came, as DataLoader's worker fetches them (RNG
+        states, an IterableDataset's iterator): while a deferred request waits for
+        its slot, every later one waits too (`waiting`: deferred if its slot is
+        small as well, else parked here, owned by this worker, and served once
+        everything before it was)."""
         cfg = self.cfg
         mapping = sync_mappings(slots, writer, slot)
         header = fmt.header_view(mapping)
         pending = self.pending
         fresh = slot in pending  # a payload waiting for this (now bigger) slot
+        request = None
         if fresh:
             payload, status, state = pending.pop(slot)
-        else:
-            req_epoch = fmt.request_epoch(header)
-            if req_epoch != self.epoch:
-                self.epoch = req_epoch
-                self.iteration_end = False
-                if isinstance(self.dataset, IterDataPipe):  # DataLoader's _ResumeIteration
-                    self.dataset = apply_random_seed(self.dataset, torch.Generator().manual_seed(
-                        fmt.request_shared_seed(header)))
-                if self.init_exception is None:
-                    try:  # an IterableDataset's __iter__ runs here
-                        self.fetcher = self.progress.epoch_fetcher(self.new_fetcher)
-                    except Exception:
-                        self.fetcher = None
-                        self.init_exception = ExceptionWrapper(where=self.where)
+            if payload is _DEFERRED:  # its request, not yet fetched: fetch it now
+                fresh, request = False, state
+                if self.waiting and self.waiting[0][0] == slot:
+                    self.waiting.popleft()
+                else:  # main returns grown slots in the order they were asked for
+                    raise SlotCorrupt(f"internal error: worker {cfg.worker_id} got slot {slot} "
+                                      f"back out of turn (waiting: {list(self.waiting)})")
+        elif self.waiting and not in_turn:  # an earlier request is not fetched yet
+            if self.grow_hint > mapping.size:
+                return self._defer(mapping, header, slot)
+            self.waiting.append((slot, False))
+            return PARKED
+        if not fresh:
+            if request is None:
+                self._enter_epoch(fmt.request_epoch(header), fmt.request_shared_seed(header))
+                if (self.grow_hint > mapping.size and not in_turn and not self.iteration_end
+                        and self.init_exception is None and self.fetcher is not None):
+                    return self._defer(mapping, header, slot)
+            else:
+                self._enter_epoch(request[1], request[2])
             payload, status = None, fmt.ST_END
             if not self.iteration_end:
                 writer.begin(mapping, slot)
@@ -234,7 +294,8 @@ class LogicalWorker:
                     elif self.fetcher is None:  # its epoch's __iter__ failed: nothing more
                         raise StopIteration
                     else:
-                        index = fmt.read_request(mapping, header)
+                        index = (fmt.read_request(mapping, header) if request is None
+                                 else request[0])
                         self.progress.fetched += 1
                         payload, status = self.fetcher.fetch(index), fmt.ST_READY
                 except StopIteration:
@@ -259,6 +320,8 @@ class LogicalWorker:
         else:
             _publish(writer, mapping, header, slot, payload, status, state, pending,
                      cfg.worker_id, fresh)
+        if slot in pending:
+            self.grow_hint = max(self.grow_hint, fmt.needed_bytes(header))
         del payload
         return status
 
@@ -282,21 +345,33 @@ def prepare_process(worker_id: int) -> None:
 def serve_request(lw: LogicalWorker, slots: WorkerSlots, writer: codec.SlotWriter, slot: int,
                   idle_since: int, shared: bool) -> int:
     """Serve the request in `slot` (popped from `lw`'s ring; `lw` entered), count it in
-    its worker stats and push the slot to its done ring (the caller rings the doorbell).
+    its worker stats and push the slot to its done ring (the caller rings the doorbell);
+    then the requests parked behind it that may now be fetched (LogicalWorker.serve).
     `idle_since`: when the process last finished something; returns when it finished
     this one. `shared`: the process hosts other logical workers too."""
+    idle_since = _serve_one(lw, slots, writer, slot, idle_since, shared, False)
+    waiting = lw.waiting
+    while waiting and not waiting[0][1]:  # parked, and everything before it fetched
+        idle_since = _serve_one(lw, slots, writer, waiting.popleft()[0], idle_since, shared,
+                                True)
+    return idle_since
+
+
+def _serve_one(lw: LogicalWorker, slots: WorkerSlots, writer: codec.SlotWriter, slot: int,
+               idle_since: int, shared: bool, in_turn: bool) -> int:
     my_stats = lw.stats
     busy_since = time.perf_counter_ns()
     my_stats[2] += busy_since - idle_since  # the process's wait, for the worker it served
     my_stats[3] = stall.busy_stamp(slot, busy_since)  # for a stall report, read only then
-    status = lw.serve(slots, writer, slot)
+    status = lw.serve(slots, writer, slot, in_turn)
     idle_since = time.perf_counter_ns()
-    if status != fmt.ST_END and slot not in lw.pending:
+    if status not in (fmt.ST_END, PARKED) and slot not in lw.pending:
         my_stats[0] += 1  # a batch (or error) published, not a request to grow
     my_stats[1] += idle_since - busy_since
     if shared:
         my_stats[3] = 0  # off it: the process moves on to another logical worker
-    lw.done_ring.push(slot, timeout=None)
+    if status != PARKED:
+        lw.done_ring.push(slot, timeout=None)
     return idle_since
 
 

@@ -28,10 +28,17 @@ owner lock), plus one per segment not yet mapped by every worker (none in steady
 state; at most max_slots).
 
 Sizes are sealed (F_SEAL_SHRINK | F_SEAL_GROW): no process can truncate a segment
-under another's mapping (which would SIGBUS it). Pages are reserved at creation
-(posix_fallocate), so memory that is not there is a clear error now, not a SIGBUS
-or an OOM kill mid-epoch; before that, the request is checked against what the
-memory cgroup allows and the machine's MemAvailable, whichever is smaller.
+under another's mapping (which would SIGBUS it). A slot's pages are not reserved at
+creation: a memfd is charged to the memory cgroup page by page as it is written, as
+anonymous memory is, so a slot costs what its batches wrote, never its headroom
+(growth's 1.25×) or a spare slot no batch has used (issue 45: reserving every slot
+made a PoolLoader's container charge 1.35× DataLoader's). A memfd lives on the
+kernel's internal shmem mount, which has no size limit: an unreserved page cannot
+SIGBUS its writer as a full tmpfs would (the POSIX backend still reserves), and a
+charge past the cgroup's limit is the same OOM kill a DataLoader batch of that size
+would meet. Before a segment is made, its size is checked against what the memory
+cgroup allows and the machine's MemAvailable, whichever is smaller, so a pool that
+cannot fit is a clear error at creation. The control block is reserved (small).
 
 What a memory cgroup allows is its limit less its working set, as the kubelet counts
 it: usage less the clean page cache that reclaim frees when a charge meets the limit
@@ -278,8 +285,10 @@ def _child_opens(path: str) -> str | None:
             "CAP_SYS_PTRACE; or an LSM's policy)")
 
 
-def create(nbytes: int, what: str, label: str, dontfork: bool = True) -> tuple[Mapping, int, int]:
-    """A new sealed, reserved segment of `nbytes`: (mapping, descriptor, inode).
+def create(nbytes: int, what: str, label: str, dontfork: bool = True,
+           reserve: bool = False) -> tuple[Mapping, int, int]:
+    """A new sealed segment of `nbytes`: (mapping, descriptor, inode); its pages
+    reserved now with `reserve`, else charged as they are written (module docstring).
 
     The caller keeps the descriptor (registered with fork.hold) until every
     worker has opened it, then closes it with fork.release."""
@@ -288,7 +297,8 @@ def create(nbytes: int, what: str, label: str, dontfork: bool = True) -> tuple[M
         fork.hold(fd)
     try:
         os.ftruncate(fd, nbytes)
-        SPACE.reserve(fd, nbytes, what)
+        if reserve:
+            SPACE.reserve(fd, nbytes, what)
         if _SEALS:
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
         mapping = Mapping(fd, nbytes, dontfork)
@@ -404,7 +414,7 @@ class Segments:
     def claim_control(self, nbytes: int) -> Mapping:
         """The control segment's descriptor is the pool's one descriptor for its whole
         life: it carries the owner lock (poolloader.shm.backend)."""
-        mapping, fd, inode = create(nbytes, "the control block", "control")
+        mapping, fd, inode = create(nbytes, "the control block", "control", reserve=True)
         if not take_owner_lock(fd):
             release_owner_lock(fd)
             raise RuntimeError("internal error: a new memfd's owner lock is already held")
