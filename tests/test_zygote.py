@@ -173,3 +173,16 @@ def test_a_class_of_main_under_spawn_and_sigkill_of_main_leaves_nothing():
 def _readable(stream, timeout: float) -> bool:
     import select
     return bool(select.select([stream], [], [], timeout)[0])
+
+
+def test_the_node_pool_s_processes_are_forks_of_the_host_rank_s_zygote(tmp_path):
+    from test_node_pool import _pairs, _ranks
+
+    results, codes, logs = _ranks(tmp_path, "parity", 2, "0",
+                                  env={"POOLLOADER_TEST_START_METHOD": "forkserver"})
+    assert codes == [0, 0], logs
+    host = results[0]
+    assert all(r["equal"] for r in results), logs
+    assert sorted(pid for kind, pid in _pairs(host["children"]) if kind == "zygote") \
+        == sorted(host["node_pids"]), logs
+    assert not _pairs(results[1]["children"]), logs

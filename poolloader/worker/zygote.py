@@ -56,17 +56,17 @@ BASE_MODULES = ("torch", "numpy", "poolloader.worker.loop", "poolloader.worker.s
 
 
 def enabled(requested: bool | None) -> bool:
-    """PoolLoader(zygote=): True/False as given; None: $POOLLOADER_ZYGOTE ("0", "false",
-    "no", "off" turn it off; unset or anything else: on)."""
+    """PoolLoader(zygote=): True/False as given; None: $POOLLOADER_ZYGOTE (true/false/1/0,
+    any case, as the runner's switches; unset or empty: on)."""
     if requested is not None:
         return bool(requested)
     value = os.environ.get(ENV, "").strip().lower()
-    if value in ("0", "false", "no", "off"):
-        return False
-    if value in ("", "1", "true", "yes", "on"):
+    if value in ("", "1", "true"):
         return True
-    raise ValueError(f"{ENV}={value!r}: expected 1/true/on or 0/false/off "
-                     "(or PoolLoader(zygote=True/False))")
+    if value in ("0", "false"):
+        return False
+    raise ValueError(f"{ENV}={value!r}: must be one of true, false, 1, 0 (any case); or "
+                     "PoolLoader(zygote=True/False), which wins")
 
 
 def method_of(ctx) -> str | None:
