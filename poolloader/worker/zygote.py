@@ -45,6 +45,7 @@ import socket
 import sys
 import threading
 import time
+import types
 from collections.abc import Iterable
 from multiprocessing import connection, forkserver, popen_forkserver, resource_tracker, spawn, util
 from multiprocessing.context import reduction, set_spawning_popen
@@ -76,8 +77,11 @@ def method_of(ctx) -> str | None:
 
 
 def modules_of(*objects) -> list[str]:
-    """The modules `objects` (dataset, collate_fn, worker_init_fn), their types and the
-    types of a dataset's attribute values are defined in: what a zygote preloads."""
+    """What a zygote preloads beyond BASE_MODULES: the modules `objects` (dataset,
+    collate_fn, worker_init_fn), their types and the types of a dataset's attribute
+    values are defined in, and what the main script imported (its module-level names
+    that are modules, classes or functions): each worker runs the main script again
+    (as `__mp_main__`, as spawn does), and those imports then cost nothing."""
     names: list[str] = []
     for obj in objects:
         if obj is None:
@@ -86,7 +90,14 @@ def modules_of(*objects) -> list[str]:
         found += [type(v).__module__ for v in getattr(obj, "__dict__", {}).values()]
         found += [getattr(getattr(obj, "func", None), "__module__", None)]  # partial
         names += [n for n in found if isinstance(n, str)]
-    return [n for n in dict.fromkeys(names) if n not in ("builtins", "__main__", "__mp_main__")]
+    main = sys.modules.get("__main__")
+    for value in list(getattr(main, "__dict__", {}).values()):
+        if isinstance(value, types.ModuleType):
+            names.append(value.__name__)
+        elif isinstance(value, type) or isinstance(value, types.FunctionType):
+            names.append(getattr(value, "__module__", None))
+    skip = ("builtins", "__main__", "__mp_main__")
+    return [n for n in dict.fromkeys(names) if isinstance(n, str) and n not in skip]
 
 
 class _Zygote(forkserver.ForkServer):
