@@ -73,6 +73,8 @@ def test_batches_match_dataloader_and_workers_are_forks_of_the_zygote(method):
         worker_init_fn=drawing_init), run=run)
     assert_same(dl, pool)
     assert parents == [_zygote_of(method)] * 2
+    # it forks from one thread: no OpenMP/BLAS pool, no helper thread
+    assert len(os.listdir(f"/proc/{_zygote_of(method)}/task")) == 1
 
 
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
