@@ -43,7 +43,11 @@ of importing it again (1.5 s of CPU each, 27 s -> 7.5 s for the forkserver cases
 test_descriptors, test_shared_arrays and test_startup). poolloader and the tests'
 modules are not preloaded: each worker still imports them and unpickles its start-up
 arguments as any forkserver worker does. Spawn workers, the fully fresh start, are
-unaffected and still run where a test covers spawn.
+unaffected and still run where a test covers spawn. That preload serves DataLoader's
+forkserver workers (and PoolLoader(zygote=False)): PoolLoader's spawn and forkserver
+workers are forked by this process's zygotes (poolloader.worker.zygote), started once
+per start method and reused by every test, counted as service processes like the
+forkserver; the workers they fork count as this process's children.
 """
 import gc
 import multiprocessing
