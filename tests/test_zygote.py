@@ -102,7 +102,7 @@ def test_a_zygote_killed_between_epochs_is_started_again():
     next(iter(loader))
     old = _zygote_of("forkserver")
     os.kill(old, signal.SIGKILL)
-    assert proc.wait_gone([old], 10)
+    assert proc.wait_gone([old], 10)  # killed as a request reached it: a RuntimeError saying so
     batch = next(iter(loader))
     new = _zygote_of("forkserver")
     assert new != old and set(batch["ppid"].tolist()) == {new}
@@ -188,3 +188,17 @@ def test_the_node_pool_s_processes_are_forks_of_the_host_rank_s_zygote(tmp_path)
     assert sorted(pid for kind, pid in _pairs(host["children"]) if kind == "zygote") \
         == sorted(host["node_pids"]), logs
     assert not _pairs(results[1]["children"]), logs
+
+
+def test_an_import_that_starts_a_thread_in_the_zygote_is_announced(capfd):
+    from _threaded_module import Threaded
+
+    zygote.stop_all()  # a zygote that preloads this test's dataset's module
+    try:
+        loader = PoolLoader(Threaded(), batch_size=2, num_workers=1,
+                            multiprocessing_context=multiprocessing.get_context("forkserver"))
+        assert [b.tolist() for b in loader] == [[0, 1], [2, 3]]
+        assert "importing '_threaded_module' in the start-up process (zygote) started 1 " \
+               "thread" in capfd.readouterr().err
+    finally:
+        zygote.stop_all()  # the next test's zygote preloads no thread

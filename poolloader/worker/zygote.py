@@ -10,10 +10,13 @@ persistent workers. Here each loader-owning process keeps one zygote per start m
 * started as a fresh interpreter (nothing of main is inherited; main's `sys.path` as of
   its start, so the user's modules import there as in main), it imports torch, numpy,
   poolloader's worker loop and the modules the loader's dataset, `collate_fn` and
-  `worker_init_fn` (and the dataset's attributes) are defined in, then serves fork
-  requests exactly as CPython's forkserver does (the same code: `forkserver.main`). It
-  starts no thread and touches no device: importing torch starts none, and the
-  forkserver loop is single-threaded.
+  `worker_init_fn` (and the dataset's attributes) are defined in and what the main
+  script imported, then serves fork requests exactly as CPython's forkserver does (the
+  same code: `forkserver.main`). It touches no device and forks from one thread: the
+  thread OpenBLAS starts as numpy is imported stops before every fork (its at-fork
+  handler; a first fork right after the imports stops it), and the forkserver loop is
+  single-threaded; a module whose import leaves another thread running is announced on
+  stderr and the modules after it are left to the workers.
 * each worker is a fork of it that then runs CPython's spawn bootstrap
   (`spawn._main`): main's `sys.path`, working directory, `sys.argv`, process name and
   authkey as of `iter()` (multiprocessing's preparation data), and `__main__` as spawn
@@ -148,6 +151,29 @@ class _Zygote(forkserver.ForkServer):
                 self._forkserver_alive_fd = alive_w
                 self._forkserver_pid = pid
 
+    def connect_to_new_process(self, fds):
+        """CPython's request for a child; a zygote found dead here (killed since the
+        last request: its socket refuses) is reaped and started again, once."""
+        try:
+            return super().connect_to_new_process(fds)
+        except OSError:
+            if not self._reaped_within(5.0):
+                raise
+        return super().connect_to_new_process(fds)
+
+    def _reaped_within(self, timeout: float) -> bool:
+        """Whether the zygote exited (reaped and forgotten) within `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self._forkserver_pid is not None:
+                if os.waitpid(self._forkserver_pid, os.WNOHANG)[0]:
+                    self._forget()
+                    return True
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.01)
+        return True
+
     def _forget(self) -> None:
         os.close(self._forkserver_alive_fd)
         address = self._forkserver_address
@@ -203,10 +229,11 @@ def pids() -> list[int]:
 
 
 def stop_all() -> None:
-    """Stop this process's zygotes (a worker started later starts a fresh one)."""
+    """Stop this process's zygotes and forget them: a worker started later starts a
+    fresh one, which preloads its own loader's modules."""
     me = os.getpid()
     with _lock:
-        mine = [z for (owner, _), z in _zygotes.items() if owner == me]
+        mine = [_zygotes.pop(key) for key in list(_zygotes) if key[0] == me]
     for z in mine:
         z.stop()
 
@@ -220,7 +247,34 @@ def serve(listener_fd: int, alive_r: int, modules: list[str]) -> None:
             __import__(name)
         except BaseException:  # noqa: BLE001 - a worker imports it again and reports it
             pass
+        threads = _threads() if _threads() == 1 else _threads_after_a_fork()
+        if threads > 1:  # a fork copies one thread: locks the others held stay held
+            print(f"poolloader: importing {name!r} in the start-up process (zygote) started "
+                  f"{threads - 1} thread(s); its workers are forked with them gone, which a "
+                  "library may not expect. Modules after it are left to each worker; "
+                  "PoolLoader(zygote=False) or POOLLOADER_ZYGOTE=0 starts every worker as a "
+                  "fresh interpreter.", file=sys.stderr, flush=True)
+            break
     forkserver.main(listener_fd, alive_r, [])
+
+
+def _threads_after_a_fork() -> int:
+    """_threads() once a child was forked (and left at once): libraries whose thread
+    pools are fork-safe stop them in their at-fork handlers (OpenBLAS, which numpy
+    loads, starts one at import and stops it before every fork)."""
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    return _threads()
+
+
+def _threads() -> int:
+    """This process's threads (native ones too), 1 where /proc cannot tell."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 1
 
 
 def _apply_environ(environ: dict) -> None:
@@ -265,9 +319,17 @@ class _ZygotePopen(popen_forkserver.Popen):
         self.sentinel, w = self._zygote.connect_to_new_process(self._fds)
         _parent_w = os.dup(w)
         self.finalizer = util.Finalize(self, util.close_fds, (_parent_w, self.sentinel))
-        with open(w, "wb", closefd=True) as f:
-            f.write(buf.getbuffer())
-        self.pid = forkserver.read_signed(self.sentinel)
+        try:
+            with open(w, "wb", closefd=True) as f:
+                f.write(buf.getbuffer())
+            self.pid = forkserver.read_signed(self.sentinel)
+        except (OSError, EOFError):
+            self.finalizer()
+            raise RuntimeError(
+                f"PoolLoader: the start-up process (zygote, pid {self._zygote.pid}) exited "
+                "before it started a worker; the next iter() starts a new one. "
+                "PoolLoader(zygote=False) or POOLLOADER_ZYGOTE=0 starts every worker as a "
+                "fresh interpreter instead") from None
 
     def poll(self, flag=os.WNOHANG):
         if self.returncode is None:
