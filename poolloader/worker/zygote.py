@@ -123,8 +123,7 @@ class _Zygote(forkserver.ForkServer):
         with self._lock:
             resource_tracker.ensure_running()
             if self._forkserver_pid is not None:
-                pid, _ = os.waitpid(self._forkserver_pid, os.WNOHANG)
-                if not pid:
+                if not _exited(self._forkserver_pid):
                     return
                 self._forget()
             cmd = (f"import sys; sys.path[:] = {sys.path!r}; "
@@ -166,7 +165,7 @@ class _Zygote(forkserver.ForkServer):
         deadline = time.monotonic() + timeout
         with self._lock:
             while self._forkserver_pid is not None:
-                if os.waitpid(self._forkserver_pid, os.WNOHANG)[0]:
+                if _exited(self._forkserver_pid):
                     self._forget()
                     return True
                 if time.monotonic() > deadline:
@@ -193,12 +192,22 @@ class _Zygote(forkserver.ForkServer):
                 return
             self._forget()
             deadline = time.monotonic() + timeout
-            while not os.waitpid(pid, os.WNOHANG)[0]:
+            while not _exited(pid):
                 if time.monotonic() > deadline:
                     os.kill(pid, signal.SIGKILL)
-                    os.waitpid(pid, 0)
+                    while not _exited(pid):
+                        time.sleep(0.01)
                     return
                 time.sleep(0.01)
+
+
+def _exited(pid: int) -> bool:
+    """Whether the zygote `pid` (this process's child) exited; reaps it if so. One that
+    someone else reaped (os.waitpid(-1)) has exited too."""
+    try:
+        return os.waitpid(pid, os.WNOHANG)[0] != 0
+    except ChildProcessError:
+        return True
 
 
 _lock = threading.Lock()
