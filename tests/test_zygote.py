@@ -48,6 +48,7 @@ class Probe(Dataset):
         except ImportError:
             found = False
         parent = multiprocessing.parent_process()
+        print(f"probe {i} on stderr", file=sys.stderr, flush=True)
         return {"env": os.environ.get(PROBE_ENV, ""), "module": found, "cwd": os.getcwd(),
                 "ppid": os.getppid(), "parent": parent.pid,
                 "process": type(multiprocessing.current_process()).__name__}
@@ -78,7 +79,8 @@ def test_batches_match_dataloader_and_workers_are_forks_of_the_zygote(method):
 
 
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
-def test_environ_sys_path_and_cwd_are_main_s_as_of_iter(method, tmp_path, monkeypatch):
+def test_environ_sys_path_cwd_and_stderr_are_main_s_as_of_iter(method, tmp_path, monkeypatch,
+                                                               capfd):
     ctx = multiprocessing.get_context(method)
     loader = PoolLoader(Probe(), batch_size=4, num_workers=2, multiprocessing_context=ctx)
     first = next(iter(loader))
@@ -94,6 +96,8 @@ def test_environ_sys_path_and_cwd_are_main_s_as_of_iter(method, tmp_path, monkey
     assert set(batch["parent"].tolist()) == {os.getpid()}
     expected = type(ctx.Process()).__name__  # SpawnProcess / ForkServerProcess
     assert set(batch["process"]) == {expected}
+    # stderr: this test's (capfd's), not the one the zygote inherited when it started
+    assert "probe 3 on stderr" in capfd.readouterr().err
 
 
 def test_a_zygote_killed_between_epochs_is_started_again():

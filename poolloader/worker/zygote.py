@@ -286,21 +286,33 @@ def _threads() -> int:
         return 1
 
 
-def _apply_environ(environ: dict) -> None:
+def _apply_environ(environ: dict, stdio: tuple = ()) -> None:
     """In a worker, while its preparation data is unpickled (before the main script
-    runs again): main's os.environ as of its start replaces the zygote's."""
+    runs again): main's os.environ as of its start replaces the zygote's, and main's
+    stdout and stderr (passed with the request: `stdio` pairs the fd to replace with
+    its index among the inherited descriptors) replace the zygote's, as a spawned
+    child inherits them."""
     os.environ.clear()
     os.environ.update(environ)
+    inherited = forkserver.get_inherited_fds() or []
+    for target, index in stdio:
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None:
+                stream.flush()
+        os.dup2(inherited[index], target)
+        os.close(inherited[index])
 
 
 class _Environ:
-    """Main's os.environ, carried in the preparation data; unpickling applies it."""
+    """Main's os.environ (and stdout/stderr), carried in the preparation data;
+    unpickling applies them (_apply_environ)."""
 
-    def __init__(self, environ: dict):
+    def __init__(self, environ: dict, stdio: tuple):
         self.environ = environ
+        self.stdio = stdio
 
     def __reduce__(self):
-        return _apply_environ, (self.environ,)
+        return _apply_environ, (self.environ, self.stdio)
 
 
 class _ZygotePopen(popen_forkserver.Popen):
@@ -317,7 +329,8 @@ class _ZygotePopen(popen_forkserver.Popen):
 
     def _launch(self, process_obj) -> None:
         prep_data = spawn.get_preparation_data(process_obj._name)
-        prep_data["poolloader_environ"] = _Environ(dict(os.environ))
+        stdio = tuple((fd, self.duplicate_for_child(fd)) for fd in (1, 2) if _is_open(fd))
+        prep_data["poolloader_environ"] = _Environ(dict(os.environ), stdio)
         buf = io.BytesIO()
         set_spawning_popen(self)
         try:
@@ -355,6 +368,14 @@ class _ZygotePopen(popen_forkserver.Popen):
                     pass
                 self.returncode = 255  # as multiprocessing reports a lost forkserver
         return self.returncode
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
 
 
 def start(process, zygote: _Zygote) -> None:
