@@ -157,11 +157,14 @@ def our_shm_names() -> list[str]:
 
 
 def _service_pids() -> set[int]:
-    """multiprocessing's run-long helper processes (resource tracker, forkserver), if started."""
+    """multiprocessing's run-long helper processes (resource tracker, forkserver), if
+    started, and poolloader's zygotes (poolloader.worker.zygote)."""
     from multiprocessing import forkserver, resource_tracker
 
+    from poolloader.worker import zygote
+
     pids = {getattr(resource_tracker._resource_tracker, "_pid", None),
-            getattr(forkserver._forkserver, "_forkserver_pid", None)}
+            getattr(forkserver._forkserver, "_forkserver_pid", None), *zygote.pids()}
     return {pid for pid in pids if pid}
 
 

@@ -120,6 +120,18 @@ class PoolLoader(DataLoader[T_co]):
                   state_dict(); a follower's is tracked from the leader's
                   slots. A rank not in the list, or alone in it on its node,
                   loads as usual.
+      zygote      under spawn and forkserver, workers are forked by a start-up
+                  process of this process (one per start method, reused by every
+                  loader and epoch) that imported torch, numpy and the modules of
+                  the dataset, collate_fn and worker_init_fn once, instead of each
+                  importing them again (seconds per worker). Each worker still gets
+                  what the start method promises: nothing of main's memory, main's
+                  os.environ, sys.path and working directory as of iter(),
+                  __main__ run again as __mp_main__. It is started as the loader is
+                  built, so it imports while the program goes on. False: every
+                  worker is a fresh interpreter, as DataLoader's. None (default):
+                  the POOLLOADER_ZYGOTE environment variable (0 turns it off;
+                  unset: on). Under fork nothing changes (docs/differences.md).
     A copy (`copy.deepcopy`, `pickle`) of a node_pool or share_batches loader is an
     ordinary PoolLoader with the same arguments: it joins no node pool or group.
     Nothing is created until the loader is iterated (with node_pool under torchrun,
@@ -140,7 +152,7 @@ class PoolLoader(DataLoader[T_co]):
                  shm_limit=None, device=None, shm_backend=None,
                  stall_warning=DEFAULT_STALL_WARNING_S, stateful=True,
                  snapshot_every_n_steps=None, node_workers=None, node_pool=None,
-                 share_batches=None):
+                 share_batches=None, zygote=None):
         self.node_workers = node_workers  # DataLoader's __init__ runs the rationality check
         super().__init__(
             dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
@@ -170,6 +182,9 @@ class PoolLoader(DataLoader[T_co]):
                 "prefetch_factor); raise it, or leave it None")
         if not isinstance(stateful, bool):
             raise ValueError(f"stateful must be True or False, got {stateful!r}")
+        if zygote is not None and not isinstance(zygote, bool):
+            raise ValueError(f"zygote must be True, False or None (the POOLLOADER_ZYGOTE "
+                             f"environment variable), got {zygote!r}")
         if snapshot_every_n_steps is not None and (
                 isinstance(snapshot_every_n_steps, bool) or not isinstance(snapshot_every_n_steps, int)
                 or snapshot_every_n_steps < 1):
@@ -203,6 +218,7 @@ class PoolLoader(DataLoader[T_co]):
         self.device = device
         self.stall_warning = stall_warning
         self.node_pool = node_pool
+        self.zygote = zygote
         self.stats = LoaderStats()
         self._node = None  # poolloader.main.node: this loader's node pool, if it has one
         if group is not None:
@@ -215,6 +231,10 @@ class PoolLoader(DataLoader[T_co]):
         self._resume_plan = None     # a loaded state for the next iterator
         self._resume_tracker = None  # the latest iterator's progress (state_dict())
         self._warned_stateless = False
+        if self.num_workers and self._node is None:
+            from poolloader.main import startup
+            startup.warm(self.multiprocessing_context or torch.multiprocessing, zygote,
+                         self.dataset, self.collate_fn, self.worker_init_fn)
 
     def _get_iterator(self):
         if self.num_workers == 0:

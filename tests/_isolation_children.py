@@ -179,6 +179,11 @@ def pid_reuse(method, what):
     _reap()
 
 
+def _ppid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
 def forkserver_dies():
     """Main keeps running while its forkserver is SIGKILLed: the workers (the
     forkserver's children) must keep the pool's names and keep running."""
@@ -187,6 +192,7 @@ def forkserver_dies():
     import robustness_datasets as rds
 
     from poolloader import PoolLoader
+    from poolloader.worker import zygote
 
     signal.alarm(120)
     loader = PoolLoader(rds.TaggedSamples(6, 100_000), batch_size=2, num_workers=2,
@@ -195,7 +201,10 @@ def forkserver_dies():
     it = iter(loader)
     assert int(next(it)["index"][0]) == 0
     prefix, workers = it._pool.prefix, [w.pid for w in it._workers]
-    server = forkserver._forkserver._forkserver_pid
+    # the process that forked them: the loader's zygote (poolloader.worker.zygote), or
+    # multiprocessing's forkserver under PoolLoader(zygote=False)
+    server = _ppid(workers[0])
+    assert server in (forkserver._forkserver._forkserver_pid, *zygote.pids()), server
     os.kill(server, signal.SIGKILL)
     os.waitpid(server, 0)
     time.sleep(1.5)  # six idle ticks of every worker

@@ -308,7 +308,12 @@ def backing_inode(tensor: torch.Tensor) -> int | None:
 
 
 def children() -> list:
-    return sorted(proc.live_children(parent=os.getpid()))
+    """This rank's live children, and those of its zygotes (poolloader.worker.zygote:
+    under spawn/forkserver they fork the node's processes) as ("zygote", pid)."""
+    from poolloader.worker import zygote
+
+    forked = [["zygote", pid] for z in zygote.pids() for pid in proc.live_children(parent=z)]
+    return sorted(set(proc.live_children(parent=os.getpid())) - set(zygote.pids())) + forked
 
 
 def main() -> dict:

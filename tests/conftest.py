@@ -43,7 +43,11 @@ of importing it again (1.5 s of CPU each, 27 s -> 7.5 s for the forkserver cases
 test_descriptors, test_shared_arrays and test_startup). poolloader and the tests'
 modules are not preloaded: each worker still imports them and unpickles its start-up
 arguments as any forkserver worker does. Spawn workers, the fully fresh start, are
-unaffected and still run where a test covers spawn.
+unaffected and still run where a test covers spawn. That preload serves DataLoader's
+forkserver workers (and PoolLoader(zygote=False)): PoolLoader's spawn and forkserver
+workers are forked by this process's zygotes (poolloader.worker.zygote), started once
+per start method and reused by every test, counted as service processes like the
+forkserver; the workers they fork count as this process's children.
 
 The ranks the tests start for a share_batches group wait for each other up to 60 s
 (POOLLOADER_SHARE_WAIT, 5 s by default): on this loaded 2-core machine a rank's start
@@ -108,19 +112,33 @@ def _foreign(names, tree):
 
 
 def _service_pids():
-    """multiprocessing's session-long helper processes, if started."""
+    """multiprocessing's session-long helper processes, if started, and poolloader's
+    zygotes (poolloader.worker.zygote: one per start method, reused by every test)."""
     from multiprocessing import forkserver, resource_tracker
 
+    from poolloader.worker import zygote
+
     pids = {getattr(resource_tracker._resource_tracker, "_pid", None),
-            getattr(forkserver._forkserver, "_forkserver_pid", None)}
+            getattr(forkserver._forkserver, "_forkserver_pid", None), *zygote.pids()}
     return {pid for pid in pids if pid}
+
+
+def _children(table):
+    """This process's live children and those of its zygotes (the workers they forked
+    for this process's loaders)."""
+    from poolloader.worker import zygote
+
+    found = proc.live_children(table)
+    for pid in zygote.pids():
+        found.update(proc.live_children(table, pid))
+    return found
 
 
 @pytest.fixture(autouse=True)
 def no_leaked_shm_or_children():
     names_before = _shm_names()
     table = proc.process_table()
-    children_before = set(proc.live_children(table))
+    children_before = set(_children(table))
     tree = proc.tree(table)
     yield
     # A loader iterator kept alive by a reference cycle (an exception traceback
@@ -136,7 +154,7 @@ def no_leaked_shm_or_children():
         if new_names:
             foreign |= _foreign(new_names, tree)
             new_names = sorted(new_names - foreign)
-        new_children = {pid: cmd for pid, cmd in proc.live_children(table).items()
+        new_children = {pid: cmd for pid, cmd in _children(table).items()
                         if pid not in children_before and pid not in _service_pids()}
         if not (new_names or new_children) or time.monotonic() >= deadline:
             break
@@ -164,7 +182,7 @@ def no_leaked_shm_or_children():
             except ProcessLookupError:
                 pass
         gone_by = time.monotonic() + 2.0
-        while time.monotonic() < gone_by and set(new_children) & set(proc.live_children()):
+        while time.monotonic() < gone_by and set(new_children) & set(_children(proc.process_table())):
             multiprocessing.active_children()
             time.sleep(0.02)
         listing = ", ".join(f"pid {pid} ({cmd})" for pid, cmd in new_children.items())

@@ -33,6 +33,8 @@ PACKAGE = pathlib.Path(poolloader.__file__).parent
 # Modules allowed to write private attributes of objects they do not own, and why.
 ADAPTERS = {
     "poolloader.worker.popen": "the one adapter over CPython's multiprocessing internals",
+    "poolloader.worker.zygote": "a private CPython ForkServer and its Popen, started and "
+                                "driven as multiprocessing's own forkserver is (its docstring)",
 }
 # Single writes allowed elsewhere, and why.
 ALLOWED_WRITES = {

@@ -105,15 +105,23 @@ def test_each_rank_gets_its_own_dataloaders_batches_from_the_nodes_processes(tmp
         assert r["node_pids"] == host["node_pids"] and r["host"] == host["host"]
         # the node's processes are local rank 0's children, num_workers of them (or
         # node_workers); the other ranks start none. Not under forkserver as the default
-        # start method (POOLLOADER_TEST_START_METHOD): the workers are then the
-        # forkserver's children, and each rank's forkserver (its DataLoader's) is its child
+        # start method (POOLLOADER_TEST_START_METHOD): the workers are then the children
+        # of rank 0's zygote, and each rank's forkserver (its DataLoader's) is its child
         if os.environ.get("POOLLOADER_TEST_START_METHOD") != "forkserver":
             assert r["children"] == (sorted(host["node_pids"]) if rank == 0 else []), logs
+        else:
+            forked = sorted(pid for kind, pid in _pairs(r["children"]) if kind == "zygote")
+            assert forked == (sorted(host["node_pids"]) if rank == 0 else []), logs
         if arg != "0":  # persistent: the iterator is still there to look at
             in_flight = -(-processes * 2 // world)  # ceil(P × prefetch_factor / ranks)
             assert (r["in_flight"], r["slots"]) == (in_flight, in_flight + 2), r
         assert r["detaches"] == 0, r  # a `for` loop's batches fit the pool
     assert len(host["node_pids"]) == processes
+
+
+def _pairs(children):
+    """("zygote", pid) entries of a rank's children list (_node_children.children)."""
+    return [tuple(c) for c in children if isinstance(c, list)]
 
 
 @pytest.mark.parametrize("arg, in_flight", [("", 2), ("1", 1), ("4:4", 4)])

@@ -89,6 +89,8 @@ if __name__ == "__main__":
               "fork": describe(fakedetr.data.build_loader(2, "fork")),
               "spawn": describe(fakedetr.data.build_loader(2, "spawn")),
               "no_workers": describe(fakedetr.data.build_loader(0))}
+    from poolloader.worker import zygote  # the spawn loader's workers: forks of one, pooled
+    result["zygotes"] = len(zygote.pids())
     ctx = multiprocessing.get_context("spawn")
     p = ctx.Process(target=child, args=(out + ".child",))
     p.start()
@@ -179,6 +181,11 @@ def test_same_batches_as_torch_and_through_the_pool(both_arms):
         assert pool_arm[case]["pool_batches"] == 6, case
     assert pool_arm["no_workers"]["type"] == "DataLoader"
     assert pool_arm["child_exit"] == torch_arm["child_exit"] == 0
+
+
+def test_the_runner_s_spawn_workers_are_forked_by_a_zygote(both_arms):
+    assert both_arms["pool"]["result"]["zygotes"] == 1  # poolloader.worker.zygote
+    assert both_arms["torch"]["result"]["zygotes"] == 0
 
 
 def test_script_sees_what_python_gives_it(both_arms):

@@ -74,6 +74,9 @@ PER_LOADER_OPTIONS = ("node_workers",)
 # Pool options whose runner flag takes no value (`python -m poolloader --node-pool x.py`):
 # given, the option is True; its environment variable still takes true/false/1/0.
 SWITCH_OPTIONS = ("node_pool",)
+# Pool options that take true/false/1/0 although their default is None (the environment
+# variable PoolLoader reads itself decides): `--zygote false`, `POOLLOADER_ZYGOTE=0`.
+BOOLEAN_OPTIONS = ("zygote",)
 # Pool options whose runner value is a list of global ranks, separated by commas
 # (`--share-batches 0,1`, `POOLLOADER_SHARE_BATCHES=0,1`): PoolLoader(share_batches=[0, 1]).
 RANK_LIST_OPTIONS = ("share_batches",)

@@ -77,7 +77,7 @@ def _parser() -> argparse.ArgumentParser:
                                help=f"PoolLoader(..., {name}=[RANKS]): global ranks separated "
                                     f"by commas (0,1); env {ENV_PREFIX}{name.upper()}")
             continue
-        switch = isinstance(defaults[name].default, bool)
+        switch = isinstance(defaults[name].default, bool) or name in hook.BOOLEAN_OPTIONS
         group.add_argument(_flag(name), dest=name, metavar="true|false" if switch else "VALUE",
                            default=None,
                            help=f"PoolLoader(..., {name}=VALUE); env {ENV_PREFIX}{name.upper()}"
@@ -150,7 +150,8 @@ def pool_options(parsed: argparse.Namespace, environ=os.environ) -> dict:
             texts[name], sources[name] = environ[env], f"{env}={environ[env]}"
     defaults = inspect.signature(PoolLoader.__init__).parameters
     for name, text in texts.items():
-        if isinstance(defaults[name].default, bool) or name in hook.SWITCH_OPTIONS:
+        if (isinstance(defaults[name].default, bool) or name in hook.SWITCH_OPTIONS
+                or name in hook.BOOLEAN_OPTIONS):
             if text.strip().lower() not in _BOOLEANS:
                 _parser().error(f"{sources[name]}: {name} must be one of true, false, 1, 0 "
                                 f"(any case), got {text!r}")

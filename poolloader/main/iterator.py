@@ -192,6 +192,9 @@ class PoolLoaderIter(TrackedNext, RequestScheduling, IteratorTeardown,
                 if n and (pickled or (hosts and startup.shares(ctx, self._pool.backend, True))) \
                 else None
             self._shared_start = shared
+            # spawn / forkserver: workers are forks of this process's zygote
+            zygote = None if self._node is not None else startup.zygote_for(
+                ctx, getattr(loader, "zygote", None), self._dataset, self._collate_fn, init_fn)
             self._unheard = set(range(first, n)) if shared is not None else set()
             cfgs = []
             for i in range(n):
@@ -210,13 +213,13 @@ class PoolLoaderIter(TrackedNext, RequestScheduling, IteratorTeardown,
                     environ=None if self._node is None else {
                         name: os.environ[name] for name in RANK_VARIABLES if name in os.environ}))
                 if not hosts and self._node is None:
-                    self._workers.append(start_without_pipes(ctx, worker_loop, (cfgs[i],)))
+                    self._workers.append(start_without_pipes(ctx, worker_loop, (cfgs[i],), zygote))
             if self._node is not None:
                 self._node.attach(cfgs)
                 self._workers.extend(self._node.processes(n))
             elif hosts:
                 # self._workers[i] is logical worker i's process, one object per process
-                processes = [start_without_pipes(ctx, worker_loop, tuple(cfgs[h::hosts]))
+                processes = [start_without_pipes(ctx, worker_loop, tuple(cfgs[h::hosts]), zygote)
                              for h in range(hosts)]
                 self._workers.extend(processes[hosted_by(i, hosts)] for i in range(n))
             supervise.track(self)

@@ -50,7 +50,7 @@ import time
 import weakref
 
 from poolloader.errors import WorkerDied, warn
-from poolloader.main import rendezvous, supervise
+from poolloader.main import rendezvous, startup, supervise
 from poolloader.shm import fork
 from poolloader.shm.node import NodeSegment
 from poolloader.worker.node import node_loop
@@ -183,7 +183,8 @@ class NodeHost(_Node):
     the listener, the forwarding."""
 
     def __init__(self, ctx, processes: int, mine: dict, listener: socket.socket,
-                 timeout: float, local_rank: int):
+                 timeout: float, local_rank: int, zygote=None):
+        """`zygote` (poolloader.worker.zygote; None: none): forks the node's processes."""
         self.local_rank = self.host_rank = local_rank
         self.host_pid = os.getpid()
         self._mine = mine
@@ -204,7 +205,7 @@ class NodeHost(_Node):
                     read, write = ctx.Pipe(duplex=False)
                     fork.hold(write.fileno())
                 self._workers.append(start_without_pipes(ctx, node_loop,
-                                                         (p, self.segment.locator, read)))
+                                                         (p, self.segment.locator, read), zygote))
                 read.close()
                 self._pipes.append(write)
             self.pids = [w.pid for w in self._workers]
@@ -406,7 +407,9 @@ def join(loader, ctx, processes: int, group: rendezvous.LocalGroup) -> _Node | N
     while True:
         hosting, sock = rendezvous.meet(name, deadline, what)
         if hosting:
-            node = NodeHost(ctx, processes, mine, sock, timeout, rank)
+            node = NodeHost(ctx, processes, mine, sock, timeout, rank, startup.zygote_for(
+                ctx, getattr(loader, "zygote", None), loader.dataset, loader.collate_fn,
+                loader.worker_init_fn))
             break
         try:
             sock.settimeout(max(1.0, deadline - time.monotonic()))

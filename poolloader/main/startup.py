@@ -20,6 +20,7 @@ import torch
 from poolloader.shm import fork
 from poolloader.shm.backend import PAGE, retire
 from poolloader.shm.backends import memfd
+from poolloader.worker import zygote
 from poolloader.worker.startup import OUT_OF_BAND_BYTES, typed_storage, untyped_storage
 
 
@@ -145,3 +146,24 @@ def shares(ctx, backend: str = "memfd", hosted: bool = False) -> bool:
     method = ctx.get_start_method() if hasattr(ctx, "get_start_method") else None
     pickled = ("spawn", "forkserver") + (("fork",) if hosted else ())
     return method in pickled and backend == "memfd" and memfd.supported() is None
+
+
+def zygote_for(ctx, requested: bool | None, *objects) -> Any:
+    """The zygote (poolloader.worker.zygote) that forks this iterator's workers, started
+    if it is not running, or None: fork, another start method, or turned off
+    (PoolLoader(zygote=False), POOLLOADER_ZYGOTE=0). `objects`: the dataset, collate_fn
+    and worker_init_fn, whose modules a new zygote preloads."""
+    method = zygote.method_of(ctx)
+    if method not in zygote.METHODS or not zygote.enabled(requested):
+        return None
+    return zygote.get(method, zygote.modules_of(*objects))
+
+
+def warm(ctx, requested: bool | None, *objects) -> None:
+    """As the loader is built: start its zygote now (zygote_for), so that it imports
+    while the program builds its model. Not in a process multiprocessing started (a
+    worker re-running the main script as __mp_main__ builds loaders it never iterates)."""
+    import multiprocessing
+
+    if multiprocessing.parent_process() is None:
+        zygote_for(ctx, requested, *objects)

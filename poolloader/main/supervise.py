@@ -17,6 +17,7 @@ import time
 import weakref
 
 from poolloader.errors import StallWarning, WorkerDied, warn
+from poolloader.worker import zygote
 
 # How long shutdown waits for workers to leave by themselves before terminating them.
 JOIN_TIMEOUT = 1.0
@@ -109,6 +110,14 @@ def check_alive(processes, owed=()) -> None:
             death = getattr(w, "death", None)  # a node pool's process (poolloader.main.node)
             if death is not None:
                 raise WorkerDied(death(i))
+            zygote_pid = zygote.lost(w)
+            if zygote_pid is not None:
+                raise WorkerDied(
+                    f"PoolLoader worker {i} (pid {w.pid}) was stopped: the start-up process "
+                    f"that forked it (zygote, pid {zygote_pid}) exited, so nothing could "
+                    "report its exit. The next iter() starts a new one; PoolLoader("
+                    "zygote=False) or POOLLOADER_ZYGOTE=0 starts every worker as a fresh "
+                    "interpreter instead.")
             where = ""
             if len(hosted) > 1:
                 where = (f", the process hosting workers {', '.join(map(str, hosted))} "

@@ -38,13 +38,18 @@ _WAITPID_POPENS = ("multiprocessing.popen_fork", "multiprocessing.popen_spawn_po
 _FORKSERVER_POPEN = "multiprocessing.popen_forkserver"
 
 
-def start_without_pipes(ctx, target, args):
+def start_without_pipes(ctx, target, args, zygote=None):
     """Start one daemon process of `ctx` and drop its parent-side pipe ends. A pickling
     error (spawn/forkserver) gets the warning DataLoader gives, word for word, before it
-    is re-raised."""
+    is re-raised. With `zygote` (poolloader.worker.zygote, spawn/forkserver) the process
+    is forked by it, and keeps a forkserver child's status pipe."""
     process = ctx.Process(target=target, args=args, daemon=True)
     try:
-        process.start()
+        if zygote is not None:
+            from poolloader.worker.zygote import start
+            start(process, zygote)
+        else:
+            process.start()
     except (TypeError, AttributeError, PicklingError):
         warn(  # at the user's line (the caller of iter(loader))
             "Got pickle error when attempting to start a worker Process. "
@@ -59,7 +64,8 @@ def start_without_pipes(ctx, target, args):
         popen.sentinel = None
         process._sentinel = None
         popen.wait = lambda timeout=None: _poll_wait(popen, timeout)
-    elif type(popen).__module__ == _FORKSERVER_POPEN and getattr(popen, "finalizer", None):
+    elif (any(c.__module__ == _FORKSERVER_POPEN for c in type(popen).__mro__)
+          and getattr(popen, "finalizer", None)):
         _drop_start_pipe_dup(popen)
     return process
 
