@@ -204,17 +204,15 @@ class PoolLoader(DataLoader[T_co]):
                 + f" must be an int from 1 to {most}, or None (one process per worker)"
                 + ("; with num_workers=0 no worker process runs at all: leave node_workers "
                    "None" if self.num_workers == 0 else ""))
+        if shm_backend is not None and shm_backend not in backends.kinds():
+            raise ValueError(f"shm_backend must be one of {backends.kinds()}, got {shm_backend!r}")
         self.node_workers = node_workers
         self.shuffle = shuffle
         self.stateful = stateful
         self.snapshot_every_n_steps = snapshot_every_n_steps
-        self.slot_bytes = slot_bytes
-        self.slots = slots
-        self.max_slots = max_slots
-        if shm_backend is not None and shm_backend not in backends.kinds():
-            raise ValueError(f"shm_backend must be one of {backends.kinds()}, got {shm_backend!r}")
-        self.shm_limit = shm_limit
-        self.shm_backend = shm_backend
+        # the pool: its slots' size and count, and where and how much shared memory
+        self.slot_bytes, self.slots, self.max_slots = slot_bytes, slots, max_slots
+        self.shm_limit, self.shm_backend = shm_limit, shm_backend
         self.device = device
         self.stall_warning = stall_warning
         self.node_pool = node_pool

@@ -51,7 +51,7 @@ import time
 import types
 from collections.abc import Iterable
 from multiprocessing import connection, forkserver, popen_forkserver, resource_tracker, spawn, util
-from multiprocessing.context import reduction, set_spawning_popen
+from multiprocessing.context import reduction, set_spawning_popen  # type: ignore[attr-defined]
 
 ENV = "POOLLOADER_ZYGOTE"
 METHODS = ("spawn", "forkserver")
@@ -98,7 +98,7 @@ def modules_of(*objects) -> list[str]:
         if isinstance(value, types.ModuleType):
             names.append(value.__name__)
         elif isinstance(value, type) or isinstance(value, types.FunctionType):
-            names.append(getattr(value, "__module__", None))
+            names.append(getattr(value, "__module__", None))  # type: ignore[arg-type]
     skip = ("builtins", "__main__", "__mp_main__")
     return [n for n in dict.fromkeys(names) if isinstance(n, str) and n not in skip]
 
@@ -120,17 +120,17 @@ class _Zygote(forkserver.ForkServer):
     def ensure_running(self) -> None:
         """Start the zygote unless it runs (CPython's ensure_running, our command); a
         zygote that exited is reaped and started again."""
-        with self._lock:
+        with self._lock:  # type: ignore[attr-defined]
             resource_tracker.ensure_running()
-            if self._forkserver_pid is not None:
-                if not _exited(self._forkserver_pid):
+            if self._forkserver_pid is not None:  # type: ignore[has-type]
+                if not _exited(self._forkserver_pid):  # type: ignore[has-type]
                     return
                 self._forget()
             cmd = (f"import sys; sys.path[:] = {sys.path!r}; "
                    "from poolloader.worker.zygote import serve; "
                    f"serve(%d, %d, {list(self.modules)!r})")
             with socket.socket(socket.AF_UNIX) as listener:
-                address = connection.arbitrary_address("AF_UNIX")
+                address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
                 listener.bind(address)
                 if not util.is_abstract_socket_namespace(address):
                     os.chmod(address, 0o600)
@@ -138,9 +138,9 @@ class _Zygote(forkserver.ForkServer):
                 alive_r, alive_w = os.pipe()
                 try:
                     exe = spawn.get_executable()
-                    args = [exe, *util._args_from_interpreter_flags(), "-c",
+                    args = [exe, *util._args_from_interpreter_flags(), "-c",  # type: ignore[attr-defined]
                             cmd % (listener.fileno(), alive_r)]
-                    pid = util.spawnv_passfds(exe, args, [listener.fileno(), alive_r])
+                    pid = util.spawnv_passfds(exe, args, [listener.fileno(), alive_r])  # type: ignore[arg-type]
                 except BaseException:
                     os.close(alive_w)
                     raise
@@ -163,7 +163,7 @@ class _Zygote(forkserver.ForkServer):
     def _reaped_within(self, timeout: float) -> bool:
         """Whether the zygote exited (reaped and forgotten) within `timeout` seconds."""
         deadline = time.monotonic() + timeout
-        with self._lock:
+        with self._lock:  # type: ignore[attr-defined]
             while self._forkserver_pid is not None:
                 if _exited(self._forkserver_pid):
                     self._forget()
@@ -181,12 +181,12 @@ class _Zygote(forkserver.ForkServer):
                 os.unlink(address)
             except OSError:
                 pass
-        self._forkserver_address = self._forkserver_alive_fd = self._forkserver_pid = None
+        self._forkserver_address = self._forkserver_alive_fd = self._forkserver_pid = None  # type: ignore[assignment]
 
     def stop(self, timeout: float = 5.0) -> None:
         """Close the alive pipe (the zygote exits) and reap it, bounded: SIGKILL after
         `timeout` seconds."""
-        with self._lock:
+        with self._lock:  # type: ignore[attr-defined]
             pid = self._forkserver_pid
             if pid is None:
                 return
@@ -338,9 +338,9 @@ class _ZygotePopen(popen_forkserver.Popen):
             reduction.dump(process_obj, buf)
         finally:
             set_spawning_popen(None)
-        self.sentinel, w = self._zygote.connect_to_new_process(self._fds)
+        self.sentinel, w = self._zygote.connect_to_new_process(self._fds)  # type: ignore[attr-defined]
         _parent_w = os.dup(w)
-        self.finalizer = util.Finalize(self, util.close_fds, (_parent_w, self.sentinel))
+        self.finalizer = util.Finalize(self, util.close_fds, (_parent_w, self.sentinel))  # type: ignore[attr-defined]
         try:
             with open(w, "wb", closefd=True) as f:
                 f.write(buf.getbuffer())
