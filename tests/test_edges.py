@@ -485,19 +485,29 @@ def test_a_slot_whose_replacement_failed_is_not_lost():
     loader = PoolLoader(data, slot_bytes=1 << 20, **kw)
     it = iter(loader)
     pool = it._pool
-    real_replace, real_create = pool.replace, pool.segments.create
-    failed = []
+    ledger = it._ledger
+    real_take, real_replace, real_create = ledger.take, pool.replace, pool.segments.create
+    failed, taking = [], []
 
     def create(*args, **kwargs):
         pool.segments.create = real_create
         raise ShmSpaceError("injected: no room for the replacement segment")
 
+    def take(*args, **kwargs):
+        taking.append(True)
+        try:
+            return real_take(*args, **kwargs)
+        finally:
+            taking.pop()
+
     def replace(slot, nbytes):
-        if not failed and nbytes <= pool.target_bytes:  # take()'s, not a worker's request to grow
+        # take()'s, not a worker's request to grow (a worker that finds its slot smaller
+        # than the largest batch it wrote asks before it fetches: poolloader.worker)
+        if not failed and taking:
             failed.append(slot)
             pool.segments.create = create
         return real_replace(slot, nbytes)
-    pool.replace = replace
+    ledger.take, pool.replace = take, replace
     got, errors = [], []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

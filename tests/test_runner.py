@@ -219,10 +219,12 @@ def test_summary_at_exit_and_on_request(both_arms):
         for m in memory:
             figures = re.fullmatch(r"     memory \(as its workers stopped\): 2 workers USS "
                                    r"([\d.]+) MiB, PSS ([\d.]+) MiB \(sums\); main USS "
-                                   r"([\d.]+) MiB, PSS ([\d.]+) MiB", m)
+                                   r"([\d.]+) MiB, PSS ([\d.]+) MiB; pool ([\d.]+) MiB "
+                                   r"resident of ([\d.]+) MiB reserved", m)
             assert figures, m
-            uss, pss, main_uss, main_pss = map(float, figures.groups())
+            uss, pss, main_uss, main_pss, resident, reserved = map(float, figures.groups())
             assert 0 < uss <= pss and 0 < main_uss <= main_pss, m
+            assert 0 <= resident <= reserved and reserved > 0, m
     child = [block for block in stderr.split("poolloader: ") if "SpawnProcess" in block]
     assert len(child) == 1 and "6 batches" in child[0], stderr
 
