@@ -93,6 +93,11 @@ class PoolLoader(DataLoader[T_co]):
                   worker in its process (an error says so if it cannot be).
                   `worker_pids` lists the P processes. With node_pool, the
                   node's processes (1 to num_workers × local ranks).
+                  "auto": P is chosen again before each epoch from what the last
+                  one measured (main's wait, the workers' busy time), within the
+                  CPUs and half the memory available (poolloader.main.autotune;
+                  `stats.auto_moves` lists each choice). Persistent workers keep
+                  the first epoch's P; not with node_pool.
       node_pool   True: under torchrun with 2 or more local ranks, the loaders of
                   the local ranks (built in the same order, with the same dataset,
                   collate_fn, batch_size, drop_last, num_workers, node_workers)
@@ -194,16 +199,25 @@ class PoolLoader(DataLoader[T_co]):
         group = rendezvous.local_group() if node.wanted(node_pool) and self.num_workers else None
         # the node's processes host every local rank's num_workers logical workers
         most = self.num_workers * (group[1] if group else 1)
-        if node_workers is not None and (isinstance(node_workers, bool)
-                                         or not isinstance(node_workers, int)
-                                         or not 1 <= node_workers <= most):
+        from poolloader.main import autotune
+        auto = node_workers == autotune.AUTO and self.num_workers > 0 and group is None
+        if node_workers is not None and not auto and (isinstance(node_workers, bool)
+                                                      or not isinstance(node_workers, int)
+                                                      or not 1 <= node_workers <= most):
             raise ValueError(
                 f"node_workers={node_workers!r}: the number of processes hosting the "
                 f"num_workers={self.num_workers} workers"
                 + (f" of each of the {group[1]} local ranks" if group else "")
-                + f" must be an int from 1 to {most}, or None (one process per worker)"
+                + f" must be an int from 1 to {most}, "
+                + ("" if group else f"{autotune.AUTO!r} (chosen before each epoch), ")
+                + "or None (one process per worker)"
                 + ("; with num_workers=0 no worker process runs at all: leave node_workers "
-                   "None" if self.num_workers == 0 else ""))
+                   "None" if self.num_workers == 0 else "")
+                + (f"; {autotune.AUTO!r} is not offered with node_pool yet (the node's "
+                   "processes serve every local rank at once): pass a count"
+                   if group and node_workers == autotune.AUTO else ""))
+        # node_workers="auto": the process count of each epoch (poolloader.main.autotune)
+        self._auto = autotune.AutoWorkers(self.num_workers) if auto else None
         if shm_backend is not None and shm_backend not in backends.kinds():
             raise ValueError(f"shm_backend must be one of {backends.kinds()}, got {shm_backend!r}")
         self.node_workers = node_workers
@@ -218,6 +232,9 @@ class PoolLoader(DataLoader[T_co]):
         self.node_pool = node_pool
         self.zygote = zygote
         self.stats = LoaderStats()
+        if self._auto is not None:
+            # each epoch's workers' memory, read as they stop: the budget's USS per process
+            self.stats.memory_at_shutdown = True
         self._node = None  # poolloader.main.node: this loader's node pool, if it has one
         if group is not None:
             ctx = self.multiprocessing_context or torch.multiprocessing
@@ -260,6 +277,15 @@ class PoolLoader(DataLoader[T_co]):
         self._resume_tracker = it.resume_tracker  # plain data: keeps no worker alive
         return it
 
+    def epoch_processes(self) -> int:
+        """The worker processes of the iterator being built: node_workers, num_workers
+        (None), or node_workers="auto"'s count for this epoch (poolloader.main.autotune).
+        Called once per iterator, by its __init__."""
+        if self._auto is not None:
+            self._auto.workers_stopped(self.stats.last_memory)
+            return self._auto.processes(self.stats)
+        return self.node_workers or self.num_workers
+
     # -- mid-epoch resume (poolloader.resume.keys) -------------------------------------
     def check_worker_number_rationality(self) -> None:
         """DataLoader's warning when more worker processes run than CPUs are allowed,
@@ -267,6 +293,9 @@ class PoolLoader(DataLoader[T_co]):
         workers. torch's check reads self.num_workers (its message, cpuset rule and CPU
         count differ between torch versions), so it runs with the process count there."""
         processes = self.node_workers
+        if processes == "auto":  # autotune.AUTO: never more processes than the CPUs
+            from poolloader.main import autotune
+            processes = min(self.num_workers, autotune.cpu_budget())
         if not isinstance(processes, int) or isinstance(processes, bool) or processes < 1:
             processes = self.num_workers  # None, or refused once __init__ checks it
         if processes == self.num_workers:

@@ -72,3 +72,17 @@ class LockedDataset(Dataset):
 
     def __getitem__(self, i):
         return torch.tensor([i])
+
+
+class PacedAugmentDataset(InitAugmentDataset):
+    """InitAugmentDataset whose every sample takes `sample_s` seconds (set between
+    epochs: the next epoch's workers take the value the main process has then)."""
+
+    def __init__(self, n=24, sample_s=0.0):
+        super().__init__(n=n)
+        self.sample_s = sample_s
+
+    def __getitem__(self, i):
+        if self.sample_s:
+            time.sleep(self.sample_s)
+        return super().__getitem__(i)

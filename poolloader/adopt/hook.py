@@ -68,9 +68,12 @@ def pool_option_names() -> tuple[str, ...]:
                  if p.kind is p.KEYWORD_ONLY and name not in _DATALOADER_PARAMS.parameters)
 
 
-# Pool options that belong to one loader, not to a script: node_workers is bounded by each
-# loader's own num_workers, so the runner does not offer it (poolloader.adopt.runner).
-PER_LOADER_OPTIONS = ("node_workers",)
+# Pool options that belong to one loader, not to a script (none now; the runner offers
+# every other pool option for all the loaders of a script: poolloader.adopt.runner).
+PER_LOADER_OPTIONS: tuple[str, ...] = ()
+# Pool options the runner takes as "auto" only: a count (node_workers=P) is bounded by each
+# loader's own num_workers, so it belongs to one loader; "auto" suits every loader.
+AUTO_ONLY_OPTIONS = ("node_workers",)
 # Pool options whose runner flag takes no value (`python -m poolloader --node-pool x.py`):
 # given, the option is True; its environment variable still takes true/false/1/0.
 SWITCH_OPTIONS = ("node_pool",)
@@ -436,6 +439,9 @@ def _plural(n: int, word: str, words: str = "") -> str:
     return f"{n} {word if n == 1 else words or word + 's'}"
 
 
+AUTO_MOVES_SHOWN = 4  # node_workers="auto": its latest moves in a loader's summary
+
+
 def summary() -> str:
     """A short report of the loaders built in this process while pooling was on:
     per pooled loader, batches, how long next() waited (share of the run so far),
@@ -474,6 +480,11 @@ def summary() -> str:
             f"{_plural(s.slot_growths, 'slot growth')}, {_plural(s.pool_growths, 'pool growth')}, "
             f"{s.detaches} held batches detached")
         lines += _memory_lines(s)
+        moves = s.auto_moves  # node_workers="auto": its first choice and latest moves
+        shown = moves[:1] + moves[1:][-AUTO_MOVES_SHOWN:]
+        if len(moves) > len(shown):
+            shown.insert(1, f"... {_plural(len(moves) - len(shown), 'earlier move')}")
+        lines += [f"     {move}" for move in shown]
         for k, statement in enumerate(s.advice().splitlines()):
             lines.append(("     advice: " if k == 0 else "             ") + statement)
     if other.count:

@@ -72,6 +72,12 @@ def _parser() -> argparse.ArgumentParser:
                                help=f"PoolLoader(..., {name}=True); env {ENV_PREFIX}"
                                     f"{name.upper()} (true, false, 1 or 0)")
             continue
+        if name in hook.AUTO_ONLY_OPTIONS:
+            group.add_argument(_flag(name), dest=name, metavar="auto", default=None,
+                               help=f"PoolLoader(..., {name}='auto') for every loader (a count "
+                                    f"belongs to one loader: pass it in the script); env "
+                                    f"{ENV_PREFIX}{name.upper()}")
+            continue
         if name in hook.RANK_LIST_OPTIONS:
             group.add_argument(_flag(name), dest=name, metavar="RANKS", default=None,
                                help=f"PoolLoader(..., {name}=[RANKS]): global ranks separated "
@@ -158,9 +164,22 @@ def pool_options(parsed: argparse.Namespace, environ=os.environ) -> dict:
             options[name] = _BOOLEANS[text.strip().lower()]
         elif name in hook.RANK_LIST_OPTIONS:
             options[name] = _ranks(name, text, sources[name])
+        elif name in hook.AUTO_ONLY_OPTIONS:
+            if text.strip().lower() not in ("auto", "none"):
+                _parser().error(f"{sources[name]}: the runner takes {name}=auto (or none) for "
+                                f"every loader, got {text!r}: a count is bounded by each "
+                                f"loader's num_workers, so pass {name}=P to that PoolLoader "
+                                f"in the script")
+            options[name] = None if text.strip().lower() == "none" else "auto"
         else:
             options[name] = _value(text)
+    if options.get("node_workers") and options.get("node_pool"):
+        _parser().error(f"{sources['node_workers']}: node_workers=auto is not offered with the "
+                        f"node pool yet (its processes serve every local rank at once); leave "
+                        f"one of them out")
     for name, value in options.items():
+        if name in hook.AUTO_ONLY_OPTIONS:
+            continue  # checked above (PoolLoader(num_workers=0) takes no "auto")
         if name in hook.RANK_LIST_OPTIONS:
             continue  # checked by _ranks (under torchrun, the check's PoolLoader(num_workers=0)
             # would be refused as a member of its group)

@@ -120,8 +120,9 @@ class PoolLoaderIter(TrackedNext, RequestScheduling, IteratorTeardown,
         self._small_buffer = self._gate.small_buffer if self._gate is not None else None
         n = self._num_workers
         # node_workers=P < n: P processes host the n logical workers (worker i in
-        # process hosted_by(i, P)); 0: one process per worker
-        hosts = loader.node_workers if (loader.node_workers or n) < n else 0
+        # process hosted_by(i, P)); 0: one process per worker. "auto": this epoch's P
+        hosting = loader.epoch_processes()
+        hosts = hosting if hosting < n else 0
         if self._node is not None:
             hosts = 0  # the node's processes wait on the node segment's doorbells
         # requests sent and not yet delivered (each holds a slot): DataLoader's
@@ -225,6 +226,7 @@ class PoolLoaderIter(TrackedNext, RequestScheduling, IteratorTeardown,
             supervise.track(self)
             self._stats.attach_pool(self._pool, self._ledger, self._workers)
             self._stats.num_workers = n
+            self._stats.processes = hosting
             self._reset(loader, first_iter=True)
         except BaseException:
             self._shutdown_workers()

@@ -49,6 +49,11 @@ class LoaderStats:
                      freed as those batches are dropped
     peak_slot_count, peak_pool_bytes: the largest pool any iterator had (pools only
                      grow while they live), still there after the pool is gone
+    processes        worker processes of the latest pool (num_workers, or fewer with
+                     node_workers=P or "auto")
+    auto_moves       node_workers="auto": each choice of the process count, with what
+                     the epoch before it measured (poolloader.main.autotune.Move;
+                     str() of one reads "auto: 2 → 3 processes at batch 120 ...")
 
     memory()         the workers' and main's memory, read from /proc now (a
                      poolloader.main.memory.MemoryReport: per live worker its id, pid,
@@ -86,6 +91,8 @@ class LoaderStats:
         self.steady_wait_s = 0.0
         self.steady_batches = 0
         self.num_workers = 0
+        self.processes = 0
+        self.auto_moves: list = []
         self._closed_workers = [0, 0, 0]  # worker columns of pools already closed
         self._closed_peak = (0, 0)  # (slots, bytes) of the largest pool already closed
         self.memory_at_shutdown = False
@@ -249,6 +256,7 @@ class LoaderStats:
             "startup_s": round(self.startup_s, 6), "iter_s": round(self.iter_s, 6),
             "next_s": round(self.next_s, 6), "steady_wait_s": round(self.steady_wait_s, 6),
             "steady_batches": self.steady_batches, "num_workers": self.num_workers,
+            "processes": self.processes, "auto_moves": [str(m) for m in self.auto_moves],
             "slot_count": self.slot_count, "slot_bytes": self.slot_bytes,
             "pool_bytes": self.pool_bytes, "detached_bytes": self.detached_bytes,
             "peak_slot_count": self.peak_slot_count, "peak_pool_bytes": self.peak_pool_bytes,
