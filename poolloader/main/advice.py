@@ -115,7 +115,9 @@ def advise(stats, cores: int | None = None) -> Advice:
                 f"({step_ms:.1f} ms per batch, a worker needs {worker_ms:.1f} ms)")
         if fewer < m:
             line += (f"; fewer workers would do: with num_workers={fewer} instead of {m} "
-                     f"they would be busy about {_pct(m * b_share / fewer)}")
+                     f"they would be busy about {_pct(m * b_share / fewer)} (to keep "
+                     f"num_workers={m}'s batches: node_workers={fewer} processes, or "
+                     f"node_workers=\"auto\", which chooses before each epoch)")
         said.append(line)
     else:
         verdict = "balanced"
