@@ -309,11 +309,17 @@ def backing_inode(tensor: torch.Tensor) -> int | None:
 
 def children() -> list:
     """This rank's live children, and those of its zygotes (poolloader.worker.zygote:
-    under spawn/forkserver they fork the node's processes) as ("zygote", pid)."""
+    under spawn/forkserver they fork the node's processes) as ("zygote", pid); not the
+    service processes (the zygotes, multiprocessing's resource tracker and forkserver),
+    which a start method other than fork starts once per process, as conftest counts."""
+    from multiprocessing import forkserver, resource_tracker
+
     from poolloader.worker import zygote
 
+    service = {*zygote.pids(), getattr(resource_tracker._resource_tracker, "_pid", None),
+               getattr(forkserver._forkserver, "_forkserver_pid", None)}
     forked = [["zygote", pid] for z in zygote.pids() for pid in proc.live_children(parent=z)]
-    return sorted(set(proc.live_children(parent=os.getpid())) - set(zygote.pids())) + forked
+    return sorted(set(proc.live_children(parent=os.getpid())) - service) + forked
 
 
 def main() -> dict:
