@@ -200,7 +200,9 @@ class PoolLoader(DataLoader[T_co]):
         # the node's processes host every local rank's num_workers logical workers
         most = self.num_workers * (group[1] if group else 1)
         from poolloader.main import autotune
-        auto = node_workers == autotune.AUTO and self.num_workers > 0 and group is None
+        # "auto" with num_workers=0: no worker process to count, as None (a runner's
+        # option reaches loaders a framework rebuilds without workers too)
+        auto = node_workers == autotune.AUTO and group is None
         if node_workers is not None and not auto and (isinstance(node_workers, bool)
                                                       or not isinstance(node_workers, int)
                                                       or not 1 <= node_workers <= most):
@@ -217,7 +219,7 @@ class PoolLoader(DataLoader[T_co]):
                    "processes serve every local rank at once): pass a count"
                    if group and node_workers == autotune.AUTO else ""))
         # node_workers="auto": the process count of each epoch (poolloader.main.autotune)
-        self._auto = autotune.AutoWorkers(self.num_workers) if auto else None
+        self._auto = autotune.AutoWorkers(self.num_workers) if auto and self.num_workers else None
         if shm_backend is not None and shm_backend not in backends.kinds():
             raise ValueError(f"shm_backend must be one of {backends.kinds()}, got {shm_backend!r}")
         self.node_workers = node_workers
@@ -281,10 +283,17 @@ class PoolLoader(DataLoader[T_co]):
         """The worker processes of the iterator being built: node_workers, num_workers
         (None), or node_workers="auto"'s count for this epoch (poolloader.main.autotune).
         Called once per iterator, by its __init__."""
-        if self._auto is not None:
+        from poolloader.main import autotune
+        processes = self.node_workers
+        if processes == autotune.AUTO:  # also when set after __init__
+            if self._auto is None:
+                self._auto = autotune.AutoWorkers(self.num_workers)
+                self.stats.memory_at_shutdown = True
             self._auto.workers_stopped(self.stats.last_memory)
             return self._auto.processes(self.stats)
-        return self.node_workers or self.num_workers
+        if isinstance(processes, int) and not isinstance(processes, bool) and processes >= 1:
+            return processes
+        return self.num_workers
 
     # -- mid-epoch resume (poolloader.resume.keys) -------------------------------------
     def check_worker_number_rationality(self) -> None:

@@ -10,6 +10,7 @@ suffice) or samples that sleep (worker-bound: main waits, one process more)."""
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import logical_datasets as lds
 import pytest
@@ -41,7 +42,7 @@ def _make(persistent=False, **extra):
 
 
 def _epochs(phases):
-    """Run one epoch per phase: MAIN_BOUND (the consumer sleeps 30 ms a batch, samples
+    """Run one epoch per phase: MAIN_BOUND (the consumer sleeps 50 ms a batch, samples
     are instant) or WORKER_BOUND (samples take 10 ms, the consumer none). Returns the
     batches of each epoch and, for a PoolLoader, its process count in each."""
     def run(loader):
@@ -51,7 +52,7 @@ def _epochs(phases):
             batches = []
             for batch in loader:
                 if phase == MAIN_BOUND:
-                    time.sleep(0.03)
+                    time.sleep(0.05)
                 batches.append(batch)
             epochs.append(batches)
             counts.append(getattr(loader.stats, "processes", None) if
@@ -126,8 +127,14 @@ def test_a_state_saved_after_a_move_resumes_exactly():
 def test_bad_values_name_the_value_and_the_knob(monkeypatch):
     with pytest.raises(ValueError, match=r"node_workers='fast'.*'auto' \(chosen before each epoch"):
         PoolLoader(lds.PacedAugmentDataset(), num_workers=4, node_workers="fast")
-    with pytest.raises(ValueError, match="num_workers=0"):
-        PoolLoader(lds.PacedAugmentDataset(), node_workers="auto")
+    # no worker process to count: "auto" is None there, as a runner's option may reach a
+    # loader a framework rebuilds with num_workers=0
+    assert len(list(PoolLoader(list(range(24)), batch_size=3, node_workers="auto"))) == 8
+    # set after the loader was built, as DataLoader lets attributes be set
+    loader = PoolLoader(list(range(24)), batch_size=3, num_workers=2,
+                        multiprocessing_context="fork")
+    loader.node_workers = "auto"
+    assert len(list(loader)) == 8 and loader.stats.auto_moves, loader.stats
     monkeypatch.setenv(autotune.CPUS_ENV, "two")
     with pytest.raises(ValueError, match=f"{autotune.CPUS_ENV}='two'.*positive int"):
         iter(PoolLoader(lds.PacedAugmentDataset(), num_workers=2, node_workers="auto"))
@@ -162,3 +169,86 @@ def test_the_runner_takes_auto_for_every_loader_and_refuses_a_count(capsys):
     with pytest.raises(SystemExit):
         runner.pool_options(parse(["--node-workers", "auto", "--node-pool"]), environ={})
     assert "not offered with the node pool" in capsys.readouterr().err
+
+
+def _counters(**gained):
+    """LoaderStats' counters as autotune reads them (plain numbers), after an epoch that
+    gained `gained` over the zero mark."""
+    stats = SimpleNamespace(iter_s=0.0, steady_wait_s=0.0, worker_busy_s=0.0,
+                            steady_batches=0, batches=0, auto_moves=[])
+    return stats, lambda: [setattr(stats, k, getattr(stats, k) + v) for k, v in gained.items()]
+
+
+def test_the_rule_moves_one_step_records_each_choice_and_reads_nothing_into_short_epochs():
+    auto = autotune.AutoWorkers(4)
+    stats, main_bound = _counters(iter_s=1.0, steady_wait_s=0.01, worker_busy_s=0.2,
+                                  steady_batches=20, batches=21)
+    assert auto.processes(stats) == 4
+    counts = []
+    for _ in range(5):
+        main_bound()
+        counts.append(auto.processes(stats))
+    assert counts == [3, 2, 1, 1, 1]  # 0.2 s of work: one process is at most 20% busy
+    # workers busy 1.9 processes' worth: 2 processes would be over 75% busy, so 3 stay
+    auto = autotune.AutoWorkers(4)
+    stats, busy = _counters(iter_s=1.0, steady_wait_s=0.0, worker_busy_s=1.9,
+                            steady_batches=20)
+    auto.processes(stats)
+    for _ in range(3):
+        busy()
+        auto.processes(stats)
+    assert auto.current == 3, stats.auto_moves
+    # waits of 3%: between the thresholds, nothing moves (no oscillation)
+    stats, between = _counters(iter_s=1.0, steady_wait_s=0.03, worker_busy_s=0.1,
+                               steady_batches=20)
+    auto = autotune.AutoWorkers(4)
+    auto.processes(stats)
+    for _ in range(3):
+        between()
+        auto.processes(stats)
+    assert auto.current == 4 and len(stats.auto_moves) == 1
+    # an epoch of 3 steady batches, or counters that went back (an iterator closed
+    # late), say nothing
+    stats, short = _counters(iter_s=1.0, steady_wait_s=0.9, steady_batches=3)
+    auto = autotune.AutoWorkers(4)
+    auto.processes(stats)
+    auto.current = 2
+    short()
+    assert auto.processes(stats) == 2
+    stats.worker_busy_s -= 5.0
+    stats.iter_s += 1.0
+    stats.steady_batches += 10
+    assert auto.processes(stats) == 2 and len(stats.auto_moves) == 1
+
+
+def test_a_process_more_is_refused_for_memory_and_memory_never_takes_one_away(monkeypatch):
+    monkeypatch.setenv(autotune.CPUS_ENV, "4")
+    auto = autotune.AutoWorkers(4)
+    stats, worker_bound = _counters(iter_s=1.0, steady_wait_s=0.5, worker_busy_s=2.0,
+                                    steady_batches=20, batches=21)
+    auto.processes(stats)
+    auto.current = 2
+    # a USS per process above half of any machine's available memory
+    auto.workers_stopped(SimpleNamespace(workers=[1, 2], workers_uss=1 << 62))
+    for _ in range(3):
+        worker_bound()
+        assert auto.processes(stats) == 2
+    kept = [m for m in stats.auto_moves if m.frm == m.to]
+    assert len(kept) == 1 and "over half the memory available" in str(kept[0]), stats.auto_moves
+    assert str(kept[0]).startswith("auto: kept 2 processes at batch")
+    # the CPUs going down takes processes away, and says so
+    monkeypatch.setenv(autotune.CPUS_ENV, "1")
+    assert auto.processes(stats) == 1 and "over the budget (1 CPUs)" in str(stats.auto_moves[-1])
+
+
+@pytest.mark.parametrize("version,files,quota", [
+    ("v2", {"cpu.max": "150000 100000\n"}, 1.5),
+    ("v2", {"cpu.max": "max 100000\n"}, None),
+    ("v1", {"cpu.cfs_quota_us": "50000\n", "cpu.cfs_period_us": "100000\n"}, 0.5),
+    ("v1", {"cpu.cfs_quota_us": "-1\n", "cpu.cfs_period_us": "100000\n"}, None),
+    ("v2", {}, None),
+])
+def test_a_cgroup_s_cpu_quota_is_read_in_cpus(tmp_path, version, files, quota):
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    assert autotune._quota(str(tmp_path), version) == quota

@@ -17,13 +17,15 @@ The rule, with room between its two thresholds so that it never oscillates:
   * one process fewer when main waited LOWER_AT (2%) or less and the work the
     processes did (busy seconds) would keep one process fewer at most FILL (75%)
     busy: they were not;
-  * never outside 1 .. the budget: num_workers, the CPUs this process may use
-    (sched_getaffinity, the cgroup's CPU quota), and as many processes as half the
-    memory available (the memory cgroup's limit less its working set, else
-    MemAvailable: poolloader.shm.backends.memfd) holds at the last epoch's USS per
-    process. `POOLLOADER_AUTO_CPUS` overrides the CPU count.
+  * never outside 1 .. the budget: num_workers and the CPUs this process may use
+    (sched_getaffinity, the smallest CPU quota of its cgroups; `POOLLOADER_AUTO_CPUS`
+    overrides the count); and no process more where the last epoch's USS per process
+    is over half the memory available (the memory cgroup's limit less its working set,
+    else MemAvailable: poolloader.shm.backends.memfd). Memory never takes a process
+    away: a process's USS is mostly its logical workers', which move with them.
 The first epoch runs min(num_workers, CPUs) processes. With persistent_workers=True
-the processes live across epochs, so the count is chosen once, at the first epoch.
+the processes live across epochs, so the count is chosen as each iterator is built:
+the first epoch, and again after load_state_dict() (which builds a new one).
 
 Each move is recorded (`LoaderStats.auto_moves`, the runner's summary prints them).
 """
@@ -40,6 +42,7 @@ LOWER_AT = 0.02
 FILL = 0.75
 MEMORY_SHARE = 0.5  # of the memory available, as tf.data's AUTOTUNE RAM budget
 MIN_STEADY_BATCHES = 4  # an epoch shorter than that says nothing: no move
+CGROUP_ROOT = "/sys/fs/cgroup"
 
 
 def cpu_budget() -> int:
@@ -68,29 +71,48 @@ def cpu_budget() -> int:
 
 
 def _cgroup_cpu_quota() -> float | None:
-    """CPUs the cgroup's quota allows (quota / period), or None where none is set."""
-    for path in ("/sys/fs/cgroup/cpu.max",):
-        try:
-            with open(path) as f:
-                quota, _, period = f.read().strip().partition(" ")
-        except OSError:
-            continue
-        if quota != "max" and period:
-            try:
-                return int(quota) / int(period)
-            except ValueError:
-                return None
+    """The smallest CPU quota (quota / period) of the cgroups above this process, as
+    /proc/self/cgroup names them (v2 cpu.max, v1 cpu.cfs_quota_us / cpu.cfs_period_us),
+    each level up to the mount's root: without a cgroup namespace (Slurm, a systemd
+    slice) the limit is in a sub-directory. None where no level sets one."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
         return None
-    for root in ("/sys/fs/cgroup/cpu", "/sys/fs/cgroup/cpu,cpuacct"):
-        try:
-            with open(os.path.join(root, "cpu.cfs_quota_us")) as f:
-                quota_us = int(f.read())
-            with open(os.path.join(root, "cpu.cfs_period_us")) as f:
-                period_us = int(f.read())
-        except (OSError, ValueError):
+    found = []
+    for line in lines:
+        hid, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if hid == "0" and controllers == "":
+            mounts, version = [CGROUP_ROOT], "v2"
+        elif "cpu" in controllers.split(","):
+            mounts = [os.path.join(CGROUP_ROOT, name) for name in ("cpu", "cpu,cpuacct")]
+            version = "v1"
+        else:
             continue
-        return quota_us / period_us if quota_us > 0 and period_us > 0 else None
-    return None
+        parts = [p for p in path.split("/") if p]
+        for mount in mounts:
+            for depth in range(len(parts), -1, -1):
+                quota = _quota(os.path.join(mount, *parts[:depth]), version)
+                if quota is not None:
+                    found.append(quota)
+    return min(found) if found else None
+
+
+def _quota(directory: str, version: str) -> float | None:
+    """One cgroup directory's CPU quota in CPUs, or None (no limit, or not readable)."""
+    try:
+        if version == "v2":
+            with open(os.path.join(directory, "cpu.max")) as f:
+                quota, _, period = f.read().strip().partition(" ")
+            return int(quota) / int(period) if quota != "max" and int(period) > 0 else None
+        with open(os.path.join(directory, "cpu.cfs_quota_us")) as f:
+            quota_us = int(f.read())
+        with open(os.path.join(directory, "cpu.cfs_period_us")) as f:
+            period_us = int(f.read())
+    except (OSError, ValueError):
+        return None
+    return quota_us / period_us if quota_us > 0 and period_us > 0 else None
 
 
 def memory_budget() -> int:
@@ -101,7 +123,8 @@ def memory_budget() -> int:
 
 @dataclass(frozen=True)
 class Move:
-    """One change of the process count, and what the epoch before it measured."""
+    """One choice of the process count (a change, or one more process refused for
+    memory), and what the epoch before it measured."""
     epoch: int          # the epoch that runs with `to` processes (1: the first)
     batch: int          # batches the loader had delivered then
     frm: int
@@ -113,6 +136,9 @@ class Move:
     def __str__(self) -> str:
         if not self.frm:
             return f"auto: {_processes(self.to)} from the first epoch ({self.why})"
+        if self.frm == self.to:  # a move the rule wanted and the memory budget refused
+            return (f"auto: kept {_processes(self.to)} at batch {self.batch} (epoch "
+                    f"{self.epoch}), main waited {self.waited:.0%}: {self.why}")
         return (f"auto: {self.frm} → {_processes(self.to)} at batch {self.batch} (epoch "
                 f"{self.epoch}), main waited {self.waited:.0%}, workers busy "
                 f"{self.busy:.2f} processes' worth: {self.why}")
@@ -134,17 +160,26 @@ class AutoWorkers:
         self._per_process = 0  # USS per process the last epoch's workers had (bytes)
 
     def budget(self) -> tuple[int, str]:
-        """(the most processes allowed now, what bounds it)."""
+        """(the most processes the CPUs allow, what bounds it)."""
         limit, why = self.num_workers, f"num_workers={self.num_workers}"
         cpus = cpu_budget()
         if cpus < limit:
             limit, why = cpus, f"{cpus} CPUs"
-        if self._per_process:
-            fits = max(1, memory_budget() // self._per_process)
-            if fits < limit:
-                limit, why = fits, (f"memory: half of what is available holds {fits} "
-                                    f"processes of {self._per_process / 2**20:.0f} MiB")
         return limit, why
+
+    def _memory_refuses(self) -> str | None:
+        """Why one process more does not fit in memory, or None. Its cost is taken as the
+        last epoch's USS per process, an overestimate: most of a process's USS is its
+        logical workers' (dataset copies, states), which move with them. For that same
+        reason memory never takes a process away: fewer processes free little."""
+        if not self._per_process:
+            return None
+        budget = memory_budget()
+        if self._per_process <= budget:
+            return None
+        return (f"one process more ({self._per_process / 2**20:.0f} MiB, the last "
+                f"epoch's USS per process) is over half the memory available "
+                f"({budget / 2**20:.0f} MiB)")
 
     def workers_stopped(self, memory) -> None:
         """The memory report (poolloader.main.memory) read as an epoch's workers stopped."""
@@ -152,7 +187,8 @@ class AutoWorkers:
             self._per_process = max(1, memory.workers_uss // len(memory.workers))
 
     def processes(self, stats) -> int:
-        """The count for the epoch that starts now, decided from the one before."""
+        """The count for the iterator built now (each epoch's, without persistent
+        workers), decided from what the counters gained since the last one was built."""
         self.epochs += 1
         limit, bound = self.budget()
         if not self.current:
@@ -167,20 +203,32 @@ class AutoWorkers:
 
     def _decide(self, stats, limit: int, bound: str) -> int:
         now = self.current
-        if self._mark is None:
-            return min(now, limit)
-        iter_s, wait_s, busy_s, batches = (stats.iter_s - self._mark[0],
-                                           stats.steady_wait_s - self._mark[1],
-                                           stats.worker_busy_s - self._mark[2],
-                                           stats.steady_batches - self._mark[3])
-        if batches < MIN_STEADY_BATCHES or iter_s <= 0:
-            return min(now, limit)
-        waited, busy = wait_s / iter_s, busy_s / iter_s
+        waited = busy = 0.0
         to, why = now, ""
+        measured = False
+        if self._mark is not None:
+            iter_s, wait_s, busy_s = (stats.iter_s - self._mark[0],
+                                      stats.steady_wait_s - self._mark[1],
+                                      stats.worker_busy_s - self._mark[2])
+            batches = stats.steady_batches - self._mark[3]
+            # a counter that went back says nothing (the workers' counters of an iterator
+            # left open across epochs join the sums only when it closes:
+            # LoaderStats.detach_pool)
+            measured = (batches >= MIN_STEADY_BATCHES and iter_s > 0 and wait_s >= 0
+                        and busy_s >= 0)
+            if measured:
+                waited, busy = min(1.0, wait_s / iter_s), busy_s / iter_s
         if now > limit:
             to, why = limit, f"over the budget ({bound})"
+        elif not measured:
+            pass  # too short an epoch to say anything: no move
         elif waited >= RAISE_AT and now < limit:
-            to, why = now + 1, f"main waited {RAISE_AT:.0%} or more"
+            refused = self._memory_refuses()
+            if refused is None:
+                to, why = now + 1, f"main waited {RAISE_AT:.0%} or more"
+            elif not any(m.why == refused for m in stats.auto_moves[-1:]):
+                stats.auto_moves.append(Move(self.epochs, stats.batches, now, now, waited,
+                                             busy, refused))
         elif waited <= LOWER_AT and now > 1 and busy <= FILL * (now - 1):
             to, why = now - 1, (f"main waited {LOWER_AT:.0%} or less and "
                                 f"{_processes(now - 1)} would be at most {FILL:.0%} busy")

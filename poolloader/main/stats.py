@@ -50,7 +50,8 @@ class LoaderStats:
     peak_slot_count, peak_pool_bytes: the largest pool any iterator had (pools only
                      grow while they live), still there after the pool is gone
     processes        worker processes of the latest pool (num_workers, or fewer with
-                     node_workers=P or "auto")
+                     node_workers=P or "auto"; under node_pool the node's count, which
+                     serves every local rank)
     auto_moves       node_workers="auto": each choice of the process count, with what
                      the epoch before it measured (poolloader.main.autotune.Move;
                      str() of one reads "auto: 2 → 3 processes at batch 120 ...")
