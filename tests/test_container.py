@@ -222,6 +222,11 @@ def test_a_640_mib_limit_runs_varying_batches_over_epochs_as_dataloader_does():
     (each loader in a fresh cgroup of its own). Before its slots were charged as written,
     PoolLoader's reserved headroom, spare slots and the batches workers held while
     their slots grew went past what DataLoader needs."""
+    if torch.version.cuda is not None:
+        # the limit is sized for the CPU build (DataLoader peaks at ~512 MiB here); a CUDA
+        # build's libraries are charged too and DataLoader itself was OOM-killed
+        # (torch 2.14.1+cu130, Python 3.13, CI's last step)
+        pytest.skip(f"sized for torch's CPU build; this is {torch.__version__}")
     results, peaks = {}, {}
     for kind in ("dataloader", "pool"):
         cgroup, reason = _make_memory_cgroup(f"poolloader-epochs-{kind}-{os.getpid()}",
@@ -238,6 +243,12 @@ def test_a_640_mib_limit_runs_varying_batches_over_epochs_as_dataloader_does():
                 pytest.skip(f"a process cannot join the new cgroup {cgroup}: {err.strip()}")
             oom_kills = _oom_kills(cgroup)
             peaks[kind] = _peak(cgroup)
+            if kind == "dataloader" and oom_kills:
+                # the reference itself does not fit (another build of torch, another
+                # interpreter): the comparison needs DataLoader to run
+                pytest.skip(f"DataLoader itself was OOM-killed in the {EPOCHS_LIMIT >> 20} "
+                            f"MiB cgroup with torch {torch.__version__} (peak "
+                            f"{peaks[kind] >> 20} MiB): no reference to compare with")
             assert child.returncode == 0 and oom_kills == 0, \
                 (kind, child.returncode, oom_kills, err[-3000:])
             results[kind] = json.loads(out.strip().splitlines()[-1])
