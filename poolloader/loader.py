@@ -218,8 +218,9 @@ class PoolLoader(DataLoader[T_co]):
                 + (f"; {autotune.AUTO!r} is not offered with node_pool yet (the node's "
                    "processes serve every local rank at once): pass a count"
                    if group and node_workers == autotune.AUTO else ""))
-        # node_workers="auto": the process count of each epoch (poolloader.main.autotune)
-        self._auto = autotune.AutoWorkers(self.num_workers) if auto and self.num_workers else None
+        # node_workers="auto": the process count of each epoch, made by the first
+        # iterator (epoch_processes; poolloader.main.autotune)
+        self._auto = None
         if shm_backend is not None and shm_backend not in backends.kinds():
             raise ValueError(f"shm_backend must be one of {backends.kinds()}, got {shm_backend!r}")
         self.node_workers = node_workers
@@ -234,9 +235,6 @@ class PoolLoader(DataLoader[T_co]):
         self.node_pool = node_pool
         self.zygote = zygote
         self.stats = LoaderStats()
-        if self._auto is not None:
-            # each epoch's workers' memory, read as they stop: the budget's USS per process
-            self.stats.memory_at_shutdown = True
         self._node = None  # poolloader.main.node: this loader's node pool, if it has one
         if group is not None:
             ctx = self.multiprocessing_context or torch.multiprocessing
@@ -285,9 +283,10 @@ class PoolLoader(DataLoader[T_co]):
         Called once per iterator, by its __init__."""
         from poolloader.main import autotune
         processes = self.node_workers
-        if processes == autotune.AUTO:  # also when set after __init__
-            if self._auto is None:
+        if processes == autotune.AUTO:
+            if self._auto is None:  # the first iterator (or "auto" set after __init__)
                 self._auto = autotune.AutoWorkers(self.num_workers)
+                # each epoch's workers' memory, read as they stop: USS per process
                 self.stats.memory_at_shutdown = True
             self._auto.workers_stopped(self.stats.last_memory)
             return self._auto.processes(self.stats)

@@ -42,7 +42,6 @@ LOWER_AT = 0.02
 FILL = 0.75
 MEMORY_SHARE = 0.5  # of the memory available, as tf.data's AUTOTUNE RAM budget
 MIN_STEADY_BATCHES = 4  # an epoch shorter than that says nothing: no move
-CGROUP_ROOT = "/sys/fs/cgroup"
 
 
 def cpu_budget() -> int:
@@ -71,31 +70,11 @@ def cpu_budget() -> int:
 
 
 def _cgroup_cpu_quota() -> float | None:
-    """The smallest CPU quota (quota / period) of the cgroups above this process, as
-    /proc/self/cgroup names them (v2 cpu.max, v1 cpu.cfs_quota_us / cpu.cfs_period_us),
-    each level up to the mount's root: without a cgroup namespace (Slurm, a systemd
-    slice) the limit is in a sub-directory. None where no level sets one."""
-    try:
-        with open("/proc/self/cgroup") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    found = []
-    for line in lines:
-        hid, controllers, path = (line.split(":", 2) + ["", ""])[:3]
-        if hid == "0" and controllers == "":
-            mounts, version = [CGROUP_ROOT], "v2"
-        elif "cpu" in controllers.split(","):
-            mounts = [os.path.join(CGROUP_ROOT, name) for name in ("cpu", "cpu,cpuacct")]
-            version = "v1"
-        else:
-            continue
-        parts = [p for p in path.split("/") if p]
-        for mount in mounts:
-            for depth in range(len(parts), -1, -1):
-                quota = _quota(os.path.join(mount, *parts[:depth]), version)
-                if quota is not None:
-                    found.append(quota)
+    """The smallest CPU quota (quota / period) of the cgroup levels above this process
+    (poolloader.shm.backends.memfd.cgroup_levels: without a cgroup namespace, as under
+    Slurm or a systemd slice, the limit is in a sub-directory). None where none is set."""
+    from poolloader.shm.backends.memfd import cgroup_levels
+    found = [q for q in (_quota(d, v) for d, v in cgroup_levels("cpu")) if q is not None]
     return min(found) if found else None
 
 
@@ -226,7 +205,7 @@ class AutoWorkers:
             refused = self._memory_refuses()
             if refused is None:
                 to, why = now + 1, f"main waited {RAISE_AT:.0%} or more"
-            elif not any(m.why == refused for m in stats.auto_moves[-1:]):
+            elif not stats.auto_moves or stats.auto_moves[-1].why != refused:  # said once
                 stats.auto_moves.append(Move(self.epochs, stats.batches, now, now, waited,
                                              busy, refused))
         elif waited <= LOWER_AT and now > 1 and busy <= FILL * (now - 1):

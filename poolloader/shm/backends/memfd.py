@@ -100,9 +100,10 @@ _STAT_KEYS = {
 }
 
 
-def _cgroup_dirs() -> list[tuple[str, str, str, str]]:
-    """(directory, limit file, usage file, "v1" or "v2") of every memory cgroup level
-    above this process that is visible here, innermost first (v2 unified, or v1 memory)."""
+def cgroup_levels(controller: str) -> list[tuple[str, str]]:
+    """(directory, "v1" or "v2") of every cgroup level above this process that
+    `controller` ("memory", "cpu") is visible at here, innermost first: the v2 unified
+    hierarchy, or the v1 hierarchy whose controllers include it."""
     try:
         with open("/proc/self/cgroup") as f:
             lines = f.read().splitlines()
@@ -112,12 +113,11 @@ def _cgroup_dirs() -> list[tuple[str, str, str, str]]:
     for line in lines:
         hid, controllers, path = (line.split(":", 2) + ["", ""])[:3]
         if hid == "0" and controllers == "":
-            mount, limit, usage, version = CGROUP_ROOT, "memory.max", "memory.current", "v2"
+            mount, version = CGROUP_ROOT, "v2"
             if not os.path.exists(os.path.join(mount, "cgroup.controllers")):
                 mount = os.path.join(CGROUP_ROOT, "unified")
-        elif "memory" in controllers.split(","):
-            mount, limit, usage, version = os.path.join(CGROUP_ROOT, "memory"), \
-                "memory.limit_in_bytes", "memory.usage_in_bytes", "v1"
+        elif controller in controllers.split(","):
+            mount, version = os.path.join(CGROUP_ROOT, controllers), "v1"
         else:
             continue
         # Inside a cgroup namespace the path is relative to the mount's root; outside
@@ -126,11 +126,20 @@ def _cgroup_dirs() -> list[tuple[str, str, str, str]]:
         while True:
             directory = os.path.join(mount, *parts)
             if os.path.isdir(directory):
-                found.append((directory, limit, usage, version))
+                found.append((directory, version))
             if not parts:
                 break
             parts.pop()
     return found
+
+
+def _cgroup_dirs() -> list[tuple[str, str, str, str]]:
+    """(directory, limit file, usage file, "v1" or "v2") of every memory cgroup level
+    above this process that is visible here, innermost first (v2 unified, or v1 memory)."""
+    files = {"v2": ("memory.max", "memory.current"),
+             "v1": ("memory.limit_in_bytes", "memory.usage_in_bytes")}
+    return [(directory, *files[version], version)
+            for directory, version in cgroup_levels("memory")]
 
 
 def _read_stat(directory: str) -> dict[str, int]:
