@@ -78,6 +78,9 @@ class MainSide(Protocol):
     name); released once every worker has mapped the segment, or when nobody needs it."""
 
     kind: str
+    # slot pages are charged as they are written, not reserved at creation: a worker
+    # may give back those past its reply (poolloader.wire.slot_format.return_tail)
+    charged_as_written: bool
 
     def check_space(self, nbytes: int, what: str) -> None:
         """Raise ShmSpaceError (Space.check) if `nbytes` more cannot be had now."""
@@ -89,10 +92,13 @@ class MainSide(Protocol):
     def locator(self) -> tuple:
         """What a worker needs to attach (picklable): (KIND, *Attachment's arguments)."""
 
-    def create(self, slot: int, generation: int, nbytes: int,
-               what: str) -> tuple[Mapping, int, int, Hashable]:
+    def create(self, slot: int, generation: int, nbytes: int, what: str,
+               freed: int = 0) -> tuple[Mapping, int, int, Hashable]:
         """A new slot segment, space-checked and reserved: (mapping, handle a, handle b,
-        release key); the two handles go into the slot table for Attachment.open_slot."""
+        release key); the two handles go into the slot table for Attachment.open_slot.
+        `freed`: resident bytes of the segment it replaces, freed before this one's
+        pages are written; a backend that reserves at creation needs them now and
+        ignores it."""
 
     def release(self, key) -> None:
         """Workers no longer need to find that segment (idempotent)."""

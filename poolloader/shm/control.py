@@ -53,7 +53,9 @@ from poolloader.shm._ring import DOORBELL_BYTES, Doorbell, Ring
 
 CONTROL_MAGIC = 0x6C6F72746E6F434C  # "LControl"
 _HEADER_FIELDS = 8
-H_MAGIC, H_WORKERS, H_MAX_SLOTS, H_NUM_SLOTS, H_GROWTH, H_MAIN_PID, H_HOSTS = range(7)
+H_MAGIC, H_WORKERS, H_MAX_SLOTS, H_NUM_SLOTS, H_GROWTH, H_MAIN_PID, H_HOSTS, H_RETURNS = range(8)
+# H_RETURNS: 1 where a worker gives back the pages of its slot past what its reply
+# uses (SlotPool: a memfd pool with no CUDA registration and no private views)
 # slot table columns (keep in sync with the layout above)
 S_GENERATION, S_SIZE, S_HANDLE_A, S_HANDLE_B = range(4)
 SLOT_ROW_BYTES = 8 * 4

@@ -43,6 +43,7 @@ from poolloader.shm.control import (
     H_GROWTH,
     H_MAIN_PID,
     H_NUM_SLOTS,
+    H_RETURNS,
     S_GENERATION,
     S_HANDLE_A,
     S_HANDLE_B,
@@ -160,6 +161,10 @@ class SlotPool:
             self.control = Control(self._control_mapping, num_workers, max_slots, create=True,
                                    hosts=hosts)
             self.control.header[H_MAIN_PID] = os.getpid()
+            # pages charged as written, and nothing that must keep them
+            # (poolloader.wire.slot_format.return_tail)
+            self.control.header[H_RETURNS] = int(self.segments.charged_as_written
+                                                 and on_map is None and not private_views)
             for _ in range(slots):
                 self.add_slot()
         except BaseException:
@@ -248,9 +253,13 @@ class SlotPool:
         """
         nbytes = page_round(nbytes)
         self.target_bytes = max(self.target_bytes, nbytes)
-        old = self.detach(slot) if self.mappings[slot] is not None else None
+        shared = self.mappings[slot]
+        # the old segment's pages, freed once workers drop it (the next one to write the
+        # slot first): a backend that charges pages as written counts them free
+        freed = 0 if shared is None else shared.resident_bytes()
+        old = self.detach(slot) if shared is not None else None
         try:
-            self._map_new(slot, nbytes)
+            self._map_new(slot, nbytes, freed)
         finally:
             if old is not None:
                 try:
@@ -289,11 +298,11 @@ class SlotPool:
         self._map_new(slot, self.target_bytes)
         self._bump()
 
-    def _map_new(self, slot: int, nbytes: int) -> None:
+    def _map_new(self, slot: int, nbytes: int, freed: int = 0) -> None:
         what = f"slot {slot} ({nbytes} bytes)"
         self._check_cap(nbytes, self.total_bytes + self._control_mapping.size, what)
         generation = self.generations[slot] + 1
-        mapping, a, b, key = self.segments.create(slot, generation, nbytes, what)
+        mapping, a, b, key = self.segments.create(slot, generation, nbytes, what, freed)
         view = None
         try:
             if self.views is not None:
@@ -485,6 +494,8 @@ class WorkerSlots:
         self.max_slots = max_slots
         self.control = Control(mapping, num_workers, max_slots, create=False,
                                hosts=Control.read_hosts(mapping, num_workers, max_slots))
+        # whether this worker gives back its slot's pages past each reply (H_RETURNS)
+        self.returns_tail = bool(self.control.header[H_RETURNS])
         self.mappings: dict[int, tuple[int, Mapping]] = {}
         self.dropped = False  # a sync dropped a mapping since the caller last looked
         self._seen_growth = -1

@@ -37,6 +37,7 @@ pickling would carry it: lossless, one copy, documented as the fallback.
 """
 from __future__ import annotations
 
+import mmap
 import pickle
 import struct
 
@@ -45,6 +46,7 @@ import torch
 
 from poolloader.errors import SlotCorrupt
 
+PAGE = mmap.PAGESIZE
 SLOT_MAGIC = 0x746F6C536C50  # "PlSlot"
 HEADER_FIELDS = 17
 (F_MAGIC,          # SLOT_MAGIC
@@ -321,6 +323,31 @@ def reply_end(header: np.ndarray, slot_size: int) -> int:
             int(header[F_SMALL_OFF]) + int(header[F_SMALL_LEN]),
             int(header[F_SKELETON_OFF]) + int(header[F_SKELETON_LEN]))
     return max(DATA_OFF, min(max(ends), slot_size))
+
+
+TAIL_RETURN_MIN = 1 << 20  # return_tail: fewer bytes past a reply are left as they are
+
+
+def return_tail(mapping, header: np.ndarray) -> None:
+    """Worker, after publishing a READY or ERROR reply into a slot whose pages are
+    charged as written (WorkerSlots.returns_tail): give back the slot's pages past
+    what the reply and its resume state use, when that is TAIL_RETURN_MIN or more and
+    a quarter of the slot or more. A slot keeps the pages its largest batch wrote,
+    so with batches of varying size every slot came to be charged for the largest
+    while DataLoader's segments hold each batch's own bytes (issue 45: a 640 MiB
+    cgroup, batches of 8 to 48 MiB). A slot as full as its growth headroom leaves
+    it (GROWTH_FACTOR: a fifth free) makes no call; a range with no pages costs one
+    madvise. The worker owns the slot (main holds no view of it until the reply is
+    popped), and the next batch written there faults its pages in again, as a
+    DataLoader batch's fresh segment does."""
+    end = reply_end(header, mapping.size)
+    state_len = int(header[F_STATE_LEN])
+    if state_len:
+        end = max(end, int(header[F_STATE_OFF]) + state_len)
+    end = -(-end // PAGE) * PAGE
+    tail = mapping.size - end
+    if tail >= TAIL_RETURN_MIN and 4 * tail >= mapping.size:
+        mapping.return_pages(end, tail)
 
 
 def check_reply(header: np.ndarray, slot_size: int) -> tuple[int, int, int, int, int, int]:

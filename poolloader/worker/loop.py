@@ -322,6 +322,8 @@ class LogicalWorker:
                      cfg.worker_id, fresh)
         if slot in pending:
             self.grow_hint = max(self.grow_hint, fmt.needed_bytes(header))
+        elif status != fmt.ST_END and slots.returns_tail:
+            fmt.return_tail(mapping, header)
         del payload
         return status
 

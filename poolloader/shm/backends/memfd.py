@@ -411,6 +411,7 @@ class Segments:
     its release key: kept until every worker has mapped it, closed then."""
 
     kind = KIND
+    charged_as_written = True  # MainSide
 
     def __init__(self, owner_pid: int):
         self.owner_pid = owner_pid
@@ -437,11 +438,14 @@ class Segments:
         assert self._control is not None
         return (self.kind, self.owner_pid) + self._control
 
-    def create(self, slot: int, generation: int, nbytes: int, what: str):
+    def create(self, slot: int, generation: int, nbytes: int, what: str, freed: int = 0):
         """(mapping, descriptor, inode, release key) of a new slot segment. Checked
-        against the memory available first: under a cgroup limit, reserving pages that
-        are not there may wake the OOM killer instead of failing."""
-        SPACE.check(nbytes, what)
+        against the memory available first: under a cgroup limit, pages that are not
+        there may wake the OOM killer instead of failing. Its pages are charged as
+        written, after the worker that writes it has dropped the segment it replaces,
+        so the `freed` bytes of that one count as available (a growth in a cgroup near
+        its limit was refused for memory it was about to give back)."""
+        SPACE.check(nbytes - freed, what)
         mapping, fd, inode = create(nbytes, what, f"slot{slot}")
         self._fds.add(fd)
         return mapping, fd, inode, fd

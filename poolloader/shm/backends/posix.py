@@ -232,6 +232,7 @@ class Segments:
     once every worker has mapped it, the control name (owner lock) at close()."""
 
     kind = KIND
+    charged_as_written = False  # MainSide
 
     def __init__(self, owner_pid: int):
         self.owner_pid = owner_pid
@@ -255,8 +256,9 @@ class Segments:
         """What a worker needs to attach (picklable)."""
         return (self.kind, self.prefix)
 
-    def create(self, slot: int, generation: int, nbytes: int, what: str):
-        """(mapping, handle a, handle b, release key) of a new slot segment."""
+    def create(self, slot: int, generation: int, nbytes: int, what: str, freed: int = 0):
+        """(mapping, handle a, handle b, release key) of a new slot segment, reserved
+        whole now (`freed` is not free yet: MainSide.create)."""
         name = slot_name(self.prefix, slot, generation)
         mapping = create_segment(name, nbytes, what)
         self._names.add(name)
