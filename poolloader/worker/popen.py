@@ -25,7 +25,6 @@ Nothing else in poolloader touches `Process._popen`, `Popen.sentinel`, `finalize
 """
 from __future__ import annotations
 
-import gc
 import multiprocessing.process
 import os
 import threading
@@ -50,7 +49,7 @@ def start_without_pipes(ctx, target, args, zygote=None):
             from poolloader.worker.zygote import start
             start(process, zygote)
         else:
-            _start_frozen(process)
+            process.start()
     except (TypeError, AttributeError, PicklingError):
         warn(  # at the user's line (the caller of iter(loader))
             "Got pickle error when attempting to start a worker Process. "
@@ -69,27 +68,6 @@ def start_without_pipes(ctx, target, args, zygote=None):
           and getattr(popen, "finalizer", None)):
         _drop_start_pipe_dup(popen)
     return process
-
-
-def _start_frozen(process) -> None:
-    """process.start() with every object main has so far in the collector's permanent
-    generation (gc.freeze), as Python's gc documentation advises before a fork: a
-    forked worker inherits main's objects copy-on-write, and each full collection in
-    it wrote the collector's bookkeeping into every one of them, copying their pages
-    (26 MiB a worker in tests/test_container's 640 MiB cgroup test, where PoolLoader's
-    workers collect more often than DataLoader's: they make more objects per batch).
-    Main's objects go back to its oldest generation at once (gc.unfreeze); a worker
-    keeps them frozen. Left alone where the program froze objects itself (its own
-    unfreeze is its to call), and harmless for spawn and forkserver (no objects
-    inherited)."""
-    if gc.get_freeze_count():
-        process.start()
-        return
-    gc.freeze()
-    try:
-        process.start()
-    finally:
-        gc.unfreeze()
 
 
 def _drop_start_pipe_dup(popen) -> None:

@@ -41,7 +41,6 @@ like poolloader.worker.popen; nothing else in poolloader does.
 from __future__ import annotations
 
 import functools
-import gc
 import io
 import os
 import signal
@@ -265,10 +264,6 @@ def serve(listener_fd: int, alive_r: int, modules: list[str]) -> None:
                   "PoolLoader(zygote=False) or POOLLOADER_ZYGOTE=0 starts every worker as a "
                   "fresh interpreter.", file=sys.stderr, flush=True)
             break
-    # what the imports made stays shared with every worker: a full collection in one
-    # would otherwise copy the pages of every object it inherited (popen._start_frozen)
-    gc.collect()
-    gc.freeze()
     forkserver.main(listener_fd, alive_r, [])
 
 
