@@ -32,6 +32,7 @@ from poolloader.worker.loop import (
     WorkerConfig,
     first_request,
     forget_worker_info,
+    freeze_inherited,
     prepare_process,
     serve_request,
     sync_mappings,
@@ -189,6 +190,7 @@ def node_loop(p: int, node_locator: tuple, commands) -> None:
     """Physical process `p`: attach the node segment, hold this process's lock, then
     serve (module docstring). `commands`: the read end of a pipe from the host,
     carrying ("attach", key, configs); None or EOF: stop."""
+    freeze_inherited()
     prepare_process(p)
     node = NodeSegment.attach(node_locator)
     node.hold_process_lock(p)
