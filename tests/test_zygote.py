@@ -228,9 +228,9 @@ class _CopiedByACollection(Dataset):
 
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
 def test_a_worker_s_collection_leaves_the_zygote_s_imports_shared(method):
-    """The zygote freezes what its imports made (torch's objects) before it forks
-    workers, so a full collection in a worker copies none of their pages: it copied
-    about 39 MiB a worker before."""
+    """A worker freezes what it inherited from the zygote (torch's objects) first
+    thing, so a full collection in it copies none of their pages: it copied about 39
+    MiB a worker before."""
     if not os.path.exists("/proc/self/smaps_rollup"):
         pytest.skip("needs /proc/self/smaps_rollup")
     before, after = (int(b) for b in PoolLoader(_CopiedByACollection(), batch_size=1,
