@@ -44,9 +44,28 @@ reply, not a worker's time):
 Table: median [min-max] over repetitions, µs per batch. On a shared 2-core
 machine absolute times are noisy: compare within a run.
 
+`--fixed-cost` measures instead the fixed cost of a ready batch (issue 47 item 2),
+DataLoader (file_descriptor) beside PoolLoader, `--workers` (default 2) workers,
+fork, in one run:
+  rows  none    a dict of Python ints, no tensor (`workload.IntsCollate`)
+        count   the batch size as a 1-element tensor (bench/handoff.py's row a)
+        packed  images, mask, targets packed one tensor per field (10 tensors)
+  floor torch's cost to make one tensor view over memory it does not own:
+        `torch.frombuffer(buffer, dtype, count, offset).view(shape)` + del, the
+        main thread's CPU time per view, median of 20 blocks of 200 views.
+  Per cell and repetition: the warm-up of the other mode, then `--samples` times:
+  sleep until the prefetch queue is full (`wait_ready`), then time three ready
+  batches back to back: main-thread CPU time (`time.thread_time_ns`) and wall time
+  of `next(); del`. "cold" is the first after the sleep, "warm" the median of the
+  other two. A figure is the median over the samples; the table shows median
+  [min-max] over repetitions, and the ratios are per repetition between the loaders
+  run side by side. Targets: none: Pool <= DataLoader; packed: Pool <= 1.25 x
+  (DataLoader's none + 10 x floor), all in CPU time.
+
 Usage:
   python bench/stages.py [--quick] [--workers 2,4] [--rows packed,per_sample]
                          [--samples 30] [--reps 3] [--out DIR] [--json PATH]
+  python bench/stages.py --fixed-cost [--reps 5] [--samples 30] [--workers 2]
 """
 from __future__ import annotations
 
@@ -300,6 +319,130 @@ def run_cell(arm: str, row: str, workers: int, dataset, cfg) -> dict:
 
 
 # ---------------------------------------------------------------------------
+# --fixed-cost: a ready batch's fixed cost beside DataLoader's and torch's one view
+
+FIXED_ROWS = ["none", "count", "packed"]
+FIXED_ARMS = ["dl", "pool"]
+
+
+def one_view_us() -> float:
+    """Main-thread CPU µs for torch to make (and drop) one small tensor view over a
+    buffer it does not own: the per-tensor floor."""
+    buffer = bytearray(1 << 16)
+    blocks = []
+    for _ in range(20):
+        c0 = time.thread_time_ns()
+        for k in range(200):
+            t = torch.frombuffer(buffer, dtype=torch.float32, count=64, offset=256 * k).view(16, 4)
+            del t
+        blocks.append((time.thread_time_ns() - c0) / 200 / 1e3)
+    return statistics.median(blocks)
+
+
+def fixed_collate(row: str, pool: bool):
+    return workload.IntsCollate() if row == "none" else workload.RFDETRCollate(row, pool)
+
+
+def run_fixed(arm: str, row: str, workers: int, dataset, cfg) -> dict:
+    in_flight = workers * cfg.prefetch
+    warmup = 2 * (in_flight + 2) + 2
+    total = warmup + 3 * cfg.samples + in_flight + 2
+    cls = DataLoader if arm == "dl" else PoolLoader
+    loader = cls(dataset, batch_size=BATCH, num_workers=workers, sampler=range(total * BATCH),
+                 drop_last=True, prefetch_factor=cfg.prefetch, timeout=60,
+                 multiprocessing_context="fork", collate_fn=fixed_collate(row, arm != "dl"))
+    it = iter(loader)
+    cold_cpu, warm_cpu, cold_wall, warm_wall = [], [], [], []
+    try:
+        procs.note_workers(it)
+        for _ in range(warmup):
+            batch = next(it)
+            del batch
+        for _ in range(cfg.samples):
+            wait_ready(it, cfg.settle_s, cfg.max_settle_s)
+            cpu, wall = [], []
+            for _ in range(3):
+                t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+                batch = next(it)
+                del batch
+                c1, t1 = time.thread_time_ns(), time.perf_counter_ns()
+                cpu.append((c1 - c0) / 1e3)
+                wall.append((t1 - t0) / 1e3)
+            cold_cpu.append(cpu[0])
+            cold_wall.append(wall[0])
+            warm_cpu.append(statistics.median(cpu[1:]))
+            warm_wall.append(statistics.median(wall[1:]))
+        for batch in it:
+            del batch
+    finally:
+        batch = None  # noqa: F841
+        it._shutdown_workers()
+        del it, loader
+        gc.collect()
+        procs.wait_no_children()
+    return {"cold_cpu_us": statistics.median(cold_cpu), "warm_cpu_us": statistics.median(warm_cpu),
+            "cold_wall_us": statistics.median(cold_wall), "warm_wall_us": statistics.median(warm_wall),
+            "view_us": one_view_us()}
+
+
+def fixed_report(raw: common.Raw, workers_list, cfg, load, wall_s) -> str:
+    lines = ["## fixed cost of a ready batch (bench/stages.py --fixed-cost)", "",
+             f"batch {BATCH}, RF-DETR shape, cheap dataset, fork, prefetch_factor={cfg.prefetch}; "
+             f"{cfg.reps} reps × {cfg.samples} samples of 3 ready batches; {os.cpu_count()} CPUs, "
+             f"torch {torch.__version__}, Python {platform.python_version()}; 1-min load average "
+             f"{load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end; run took {wall_s:.0f} s.",
+             "", "µs per batch of `next(); del`, median [min–max] over reps; cpu = main thread's "
+             "CPU time, wall = wall time; cold = first after a sleep, warm = the next ones; "
+             "Pool ÷ DL per repetition."]
+    for w in workers_list:
+        lines += ["", f"### {w} workers", "",
+                  "| row | metric | DataLoader | PoolLoader | Pool ÷ DL |", "|---|---|---:|---:|---:|"]
+        for row in FIXED_ROWS:
+            cell = (w, row)
+            for key in ("cold_cpu_us", "warm_cpu_us", "cold_wall_us", "warm_wall_us"):
+                dl, pool = raw.series(cell, "dl", key), raw.series(cell, "pool", key)
+                ratio = common.summarize(p / d for d, p in zip(dl, pool) if d and p)
+                lines.append(f"| {row} | {key[:-3].replace('_', ' ')} | "
+                             f"{common.cell_text(raw, cell, 'dl', key)} | "
+                             f"{common.cell_text(raw, cell, 'pool', key)} | {ratio.fmt('.2f', '×')} |")
+        views = [v for row in FIXED_ROWS for arm in FIXED_ARMS
+                 for v in raw.series((w, row), arm, "view_us")]
+        floor = common.summarize(views)
+        lines += ["", f"torch's one view (floor per tensor): {floor.fmt('.2f')} µs CPU.", ""]
+        for key in ("cold_cpu_us", "warm_cpu_us"):
+            none_dl = common.summarize(raw.series((w, "none"), "dl", key)).median
+            none_pool = common.summarize(raw.series((w, "none"), "pool", key)).median
+            packed_pool = common.summarize(raw.series((w, "packed"), "pool", key)).median
+            bound = 1.25 * (none_dl + 10 * floor.median)
+            lines.append(
+                f"* {key[:-3].replace('_', ' ')}: none: Pool {none_pool:.1f} vs DataLoader "
+                f"{none_dl:.1f} µs ({'met' if none_pool <= none_dl else 'MISSED'}, "
+                f"{none_pool / none_dl:.2f}×); packed: Pool {packed_pool:.1f} vs 1.25 × "
+                f"({none_dl:.1f} + 10 × {floor.median:.2f}) = {bound:.1f} µs "
+                f"({'met' if packed_pool <= bound else 'MISSED'}, {packed_pool / bound * 1.25:.2f}× "
+                "the floor)")
+    return "\n".join(lines)
+
+
+def main_fixed(cfg) -> int:
+    workers_list = [int(x) for x in (cfg.workers or "2").split(",")]
+    in_flight = max(workers_list) * cfg.prefetch
+    per_cell = 2 * (in_flight + 2) + 2 + 3 * cfg.samples + in_flight + 2
+    dataset = workload.RFDETRShaped(per_cell * BATCH)
+    cells = [(w, row) for w in workers_list for row in FIXED_ROWS]
+    t0, load = time.perf_counter(), os.getloadavg()[0]
+    raw = common.interleave(cells, FIXED_ARMS,
+                            lambda cell, arm, rep: run_fixed(arm, cell[1], cell[0], dataset, cfg),
+                            reps=cfg.reps, warmup_reps=cfg.warmup_reps, label=NAME + " fixed-cost",
+                            stagger=True, show=lambda m: f"cold cpu {m['cold_cpu_us']:.0f} µs, "
+                            f"warm cpu {m['warm_cpu_us']:.0f} µs")
+    text = fixed_report(raw, workers_list, cfg, load, time.perf_counter() - t0)
+    writers.write_outputs(cfg, text, {"raw": raw.as_json(), "workers": workers_list,
+                                      "samples": cfg.samples, "mode": "fixed-cost"})
+    return 0 if not procs.wait_no_children() else 1
+
+
+# ---------------------------------------------------------------------------
 # report
 
 def table(raw: common.Raw, workers_list, rows) -> str:
@@ -343,6 +486,8 @@ def parse_args(argv=None):
     p.add_argument("--prefetch", type=int, default=2)
     p.add_argument("--settle-ms", type=float, default=20.0)
     p.add_argument("--max-settle-ms", type=float, default=5000.0)
+    p.add_argument("--fixed-cost", action="store_true",
+                   help="the fixed cost of a ready batch (rows none, count, packed) instead")
     args = common.parse(p, argv)
     args.workers_list = [int(x) for x in (args.workers or ("2" if args.quick else "2,4")).split(",")]
     args.rows_list = [r.strip() for r in args.rows.split(",") if r.strip()]
@@ -356,6 +501,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     cfg = parse_args(argv)
+    if cfg.fixed_cost:
+        return main_fixed(cfg)
     in_flight = max(cfg.workers_list) * cfg.prefetch
     per_cell = 2 * (in_flight + 2) + 2 + 2 * cfg.samples + in_flight + 2
     dataset = workload.RFDETRShaped(per_cell * BATCH)

@@ -145,6 +145,14 @@ class RFDETRCollate:
         return images, mask, tuple(targets)
 
 
+class IntsCollate:
+    """A batch with no tensor at all: a dict of Python ints (the batch size and each
+    sample's box count), for the fixed cost of a batch (bench/stages.py --fixed-cost)."""
+
+    def __call__(self, samples):
+        return {"size": len(samples), "boxes": [int(s[2]["labels"].numel()) for s in samples]}
+
+
 def tensors_in(obj) -> list:
     """Every tensor reachable in a batch (PackedTargets: its fields and counts)."""
     import torch

@@ -114,6 +114,22 @@ def test_small_tensors_are_copied_out_and_large_ones_own_their_storage(slot):
     assert mapping.leases == 0
 
 
+def test_the_small_block_copy_is_the_same_from_a_mapping_or_any_buffer(slot):
+    """copy_small copies a Mapping's bytes with one memmove and any other buffer through
+    numpy: the same bytes, at an odd offset and length, into a private tensor."""
+    mapping, _header = slot
+    off, n = fmt.DATA_OFF + 64 * 3, 1000 + 7
+    data = np.random.default_rng(0).integers(0, 256, n, dtype=np.uint8)
+    np.frombuffer(mapping, np.uint8, count=n, offset=off)[:] = data
+    plain = bytearray(bytes(memoryview(mapping)[:off + n]))
+    for source in (mapping, plain):
+        small = codec.copy_small(source, off, n)
+        assert small.dtype == torch.uint8 and small.numel() == n
+        assert bytes(small.numpy()) == data.tobytes()
+        lo = mapping.address
+        assert not lo <= small.data_ptr() < lo + mapping.size
+
+
 def test_a_batch_of_small_tensors_keeps_no_lease(slot):
     mapping, header = slot
     encode(mapping, header, [torch.arange(10), np.zeros(3)])

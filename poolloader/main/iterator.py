@@ -354,11 +354,14 @@ class PoolLoaderIter(TrackedNext, RequestScheduling, IteratorTeardown,
         self._last_delivery = self._stats.count_delivery(*mark, self._last_delivery,
                                                          self._epoch_started)
 
-    def _reply_record(self, slot: int) -> bytes | None:
-        """The resume record a returned slot carries (copied out)."""
+    def _reply_record(self, slot: int, header=None) -> bytes | None:
+        """The resume record a returned slot carries (copied out); `header`: the slot's,
+        if the caller has it."""
         ledger = self._ledger
+        if header is None:
+            header = ledger.header(slot)
         try:
-            return fmt.reply_state(ledger.mapping(slot), ledger.header(slot)) or None
+            return fmt.reply_state(ledger.mapping(slot), header) or None
         except SlotCorrupt as e:
             self._fail(e)
             raise
@@ -507,7 +510,8 @@ class PoolLoaderIter(TrackedNext, RequestScheduling, IteratorTeardown,
         header = ledger.header(slot)
         error = fmt.reply_is_error(header)
         # before the decode, which may hand the slot back at once
-        self._resume.received(worker, fmt.reply_seq(header), self._reply_record(slot), error)
+        self._resume.received(worker, fmt.reply_seq(header), self._reply_record(slot, header),
+                              error)
         if self._share is not None:
             try:  # the followers' holds are counted before the decode's lease can die
                 self._share.publish(self._share_epoch, self._pool, slot,

@@ -135,6 +135,8 @@ class SlotLedger:
         leader's private view, renewed for it (poolloader.shm.pool, renew_view: the
         slot was FREE, so no view of its last batch is alive), else the slot's mapping."""
         pool = self.pool
+        if pool.views is None:  # no private views (the usual case): nothing to renew
+            return pool.mappings[slot]
         pool.renew_view(slot, fmt.DATA_OFF, fmt.reply_end(header, pool.size(slot)))
         return pool.view(slot)
 
@@ -175,10 +177,13 @@ class SlotLedger:
             slot = self._reclaim()
         pool = self.pool
         try:
-            if pool.mappings[slot] is None:
+            mapping = pool.mappings[slot]
+            if mapping is None:
                 self._refill(slot)
-            if pool.size(slot) < max(min_bytes, pool.target_bytes):
-                self.replace(slot, max(min_bytes, pool.target_bytes))
+                mapping = pool.mappings[slot]
+            wanted = pool.target_bytes if min_bytes <= pool.target_bytes else min_bytes
+            if mapping is None or mapping.size < wanted:
+                self.replace(slot, wanted)
         except BaseException:
             # the slot is still main's: FREE again (empty if its old segment went), so
             # a later take() refills it instead of the epoch running one slot short

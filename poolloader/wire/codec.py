@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from poolloader.errors import SlotCorrupt
-from poolloader.shm._shm import Lease, take_lease
+from poolloader.shm._shm import Lease, Mapping, take_lease
 from poolloader.wire.slot_format import (
     DATA_OFF,
     DTYPE_CODE,
@@ -396,7 +396,12 @@ def copy_small(mapping, small_off: int, small_len: int, small_buffer=None) -> to
     """The batch's private copy of its small block: one allocation, one copy."""
     small = (torch.empty(small_len, dtype=torch.uint8) if small_buffer is None
              else small_buffer(small_len))
-    small.numpy()[:] = np.frombuffer(mapping, np.uint8, count=small_len, offset=small_off)
+    if type(mapping) is Mapping:
+        # one C call; the caller's lease exports `mapping`, so it stays mapped, and
+        # check_reply bounded [small_off, small_off + small_len) by its size
+        ctypes.memmove(small.data_ptr(), mapping.address + small_off, small_len)
+    else:
+        small.numpy()[:] = np.frombuffer(mapping, np.uint8, count=small_len, offset=small_off)
     return small
 
 
