@@ -30,6 +30,7 @@ from helpers import communicate_within, wait_until
 from poolloader import PoolLoader
 from poolloader.shm.control import H_RETURNS
 from poolloader.wire import slot_format as fmt
+from poolloader.worker.loop import FREEZE_WRITES_HEADERS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHILDREN = os.path.join(HERE, "_container_children.py")
@@ -282,6 +283,10 @@ def test_a_slot_is_charged_for_its_last_batch_not_its_largest(backend):
     slots that held 32 MiB and then a small batch hold no 32 MiB. The POSIX backend's
     segments are reserved whole (a hole in a /dev/shm file could SIGBUS a later
     writer), so they keep theirs. Every batch is what DataLoader gives."""
+    if backend == "posix":
+        st = os.statvfs("/dev/shm")
+        if st.f_bavail * st.f_frsize < 256 << 20:
+            pytest.skip("the POSIX case needs 256 MiB free in /dev/shm")
     loader = PoolLoader(_BigThenSmall(), batch_size=1, num_workers=1, shm_backend=backend,
                         multiprocessing_context="fork", timeout=60)
     it = iter(loader)
@@ -300,7 +305,8 @@ def test_a_slot_is_charged_for_its_last_batch_not_its_largest(backend):
     assert grown_then_small, slots  # the case this is about happened
     if backend == "memfd":
         assert returns == 1
-        assert all(resident <= end + (64 << 10) for _, resident, end in slots), slots
+        # a page past the end, or a huge page where shmem uses them (shmem_enabled)
+        assert all(resident <= end + (2 << 20) for _, resident, end in slots), slots
     else:
         assert returns == 0
         assert all(resident >= 32 << 20 for _, resident, _ in grown_then_small), slots
@@ -330,6 +336,8 @@ def test_a_forked_worker_s_collections_leave_main_s_objects_shared():
     program set it, frozen or not."""
     if not os.path.exists("/proc/self/smaps_rollup"):
         pytest.skip("needs /proc/self/smaps_rollup")
+    if FREEZE_WRITES_HEADERS:
+        pytest.skip("workers do not freeze on this Python (FREEZE_WRITES_HEADERS)")
     gc.unfreeze()  # conftest froze what importing made: here main has frozen nothing
     try:
         objects = [[i] for i in range(400_000)]  # noqa: F841 (tracked; held while workers fork)

@@ -500,13 +500,13 @@ def test_a_slot_whose_replacement_failed_is_not_lost():
         finally:
             taking.pop()
 
-    def replace(slot, nbytes):
+    def replace(slot, nbytes, written=None):
         # take()'s, not a worker's request to grow (a worker that finds its slot smaller
         # than the largest batch it wrote asks before it fetches: poolloader.worker)
         if not failed and taking:
             failed.append(slot)
             pool.segments.create = create
-        return real_replace(slot, nbytes)
+        return real_replace(slot, nbytes, written)
     ledger.take, pool.replace = take, replace
     got, errors = [], []
     with warnings.catch_warnings(record=True) as caught:

@@ -12,6 +12,7 @@ import pytest
 
 from poolloader.errors import ShmSpaceError
 from poolloader.shm.backend import PAGE, page_round
+from poolloader.shm.control import H_RETURNS
 from poolloader.shm.pool import SlotPool, WorkerSlots
 
 
@@ -178,10 +179,22 @@ def test_memfd_space_check_counts_clean_page_cache_of_either_cgroup_version(tmp_
     assert reclaimable(str(tmp_path), "v1")[0] == 0
 
 
-def test_return_pages_empties_a_free_slots_data_and_keeps_its_header(pool):
+@pytest.fixture
+def memfd_pool():
+    p = SlotPool(num_workers=1, slots=2, max_slots=3, slot_bytes=100_000, backend="memfd")
+    try:
+        yield p
+    finally:
+        gc.collect()
+        p.close()
+
+
+def test_return_pages_empties_a_free_slots_data_and_keeps_its_header(memfd_pool):
     """SlotPool.return_pages punches a slot's pages from an offset on (MADV_REMOVE):
     resident_bytes drops, the bytes before the offset stay, those after read as zeros,
-    and a later write faults pages in again; an offset past the end is refused."""
+    and a later write faults pages in again; an offset past the end is refused. (A
+    POSIX pool refuses it all: the next test.)"""
+    pool = memfd_pool
     mapping = pool.mappings[0]
     view = memoryview(mapping)
     view[:] = b"\x07" * mapping.size
@@ -195,3 +208,28 @@ def test_return_pages_empties_a_free_slots_data_and_keeps_its_header(pool):
     assert bytes(view[2 * PAGE:]) == bytes(mapping.size - 2 * PAGE)  # (a read faults a page in)
     assert pool.return_pages(0, mapping.size) is False
     view.release()
+
+
+@pytest.mark.parametrize("kind", ["memfd", "posix", "registered", "private views"])
+def test_pages_are_given_back_only_where_nothing_must_keep_them(kind):
+    """Workers give back a slot's pages past their reply (H_RETURNS) and main an idle
+    slot's (return_pages) only in a memfd pool whose slots are neither registered with
+    CUDA (on_map: a pinned page would stay the device's) nor privately viewed
+    (share_batches): never in a POSIX pool, whose segments are reserved whole."""
+    options = {"registered": {"on_map": lambda mapping, slot: None},
+               "private views": {"private_views": True}}.get(kind, {})
+    backend = "posix" if kind == "posix" else "memfd"
+    pool = SlotPool(num_workers=1, slots=1, max_slots=2, slot_bytes=4 * PAGE,
+                    backend=backend, **options)
+    try:
+        memoryview(pool.mappings[0])[:] = b"x" * (4 * PAGE)
+        returns = int(pool.control.header[H_RETURNS])
+        returned = pool.return_pages(0, PAGE)
+        assert (returns, returned) == ((1, True) if kind == "memfd" else (0, False)), kind
+        if kind == "memfd":
+            assert pool.mappings[0].resident_bytes() == PAGE
+        else:
+            assert bytes(memoryview(pool.view(0))[PAGE:2 * PAGE]) == b"x" * PAGE
+    finally:
+        gc.collect()
+        pool.close()

@@ -183,6 +183,8 @@ class SlotLedger:
                 mapping = pool.mappings[slot]
             wanted = pool.target_bytes if min_bytes <= pool.target_bytes else min_bytes
             if mapping is None or mapping.size < wanted:
+                if mapping is not None:  # its old contents are dead: gone before the check
+                    pool.return_pages(slot, fmt.DATA_OFF)
                 self.replace(slot, wanted)
         except BaseException:
             # the slot is still main's: FREE again (empty if its old segment went), so
@@ -381,10 +383,10 @@ class SlotLedger:
         except ShmSpaceError as e:
             raise self._space_error(e) from None
 
-    def replace(self, slot: int, nbytes: int) -> None:
+    def replace(self, slot: int, nbytes: int, written: int | None = None) -> None:
         self._headers.pop(slot, None)
         try:
-            self.pool.replace(slot, nbytes)
+            self.pool.replace(slot, nbytes, written)
         except ShmSpaceError as e:
             raise self._space_error(e) from None
         self.stats.slot_growths += 1
@@ -394,7 +396,8 @@ class SlotLedger:
         if needed <= self.pool.size(slot):
             raise SlotCorrupt(f"worker {worker} asked for {needed} bytes for slot {slot}, "
                               f"which already has {self.pool.size(slot)}")
-        self.replace(slot, page_round(int(needed * GROWTH_FACTOR)))
+        # the old segment stays charged meanwhile: the worker's batch may still view it
+        self.replace(slot, page_round(int(needed * GROWTH_FACTOR)), written=needed)
 
     def held_bytes(self) -> int:
         """Shared memory that batches the consumer still holds keep alive."""

@@ -93,12 +93,12 @@ class MainSide(Protocol):
         """What a worker needs to attach (picklable): (KIND, *Attachment's arguments)."""
 
     def create(self, slot: int, generation: int, nbytes: int, what: str,
-               freed: int = 0) -> tuple[Mapping, int, int, Hashable]:
+               written: int | None = None) -> tuple[Mapping, int, int, Hashable]:
         """A new slot segment, space-checked and reserved: (mapping, handle a, handle b,
         release key); the two handles go into the slot table for Attachment.open_slot.
-        `freed`: resident bytes of the segment it replaces, freed before this one's
-        pages are written; a backend that reserves at creation needs them now and
-        ignores it."""
+        `written`: the bytes its first writer will write, where known; a backend that
+        charges pages as written checks for those, one that reserves at creation for
+        all `nbytes`."""
 
     def release(self, key) -> None:
         """Workers no longer need to find that segment (idempotent)."""

@@ -245,21 +245,20 @@ class SlotPool:
         self._bump()
         return slot
 
-    def replace(self, slot: int, nbytes: int) -> None:
+    def replace(self, slot: int, nbytes: int, written: int | None = None) -> None:
         """Give `slot` a fresh segment of at least `nbytes` (page-rounded).
 
         Main must own the slot (FREE or just returned by a worker) and hold no
         view of it. Raises the target size so other slots follow lazily.
+        `written`: the bytes its first writer will write, where known (a worker's
+        growth request), which is what a backend that charges pages as written
+        checks the memory available for (MainSide.create).
         """
         nbytes = page_round(nbytes)
         self.target_bytes = max(self.target_bytes, nbytes)
-        shared = self.mappings[slot]
-        # the old segment's pages, freed once workers drop it (the next one to write the
-        # slot first): a backend that charges pages as written counts them free
-        freed = 0 if shared is None else shared.resident_bytes()
-        old = self.detach(slot) if shared is not None else None
+        old = self.detach(slot) if self.mappings[slot] is not None else None
         try:
-            self._map_new(slot, nbytes, freed)
+            self._map_new(slot, nbytes, written)
         finally:
             if old is not None:
                 try:
@@ -298,11 +297,11 @@ class SlotPool:
         self._map_new(slot, self.target_bytes)
         self._bump()
 
-    def _map_new(self, slot: int, nbytes: int, freed: int = 0) -> None:
+    def _map_new(self, slot: int, nbytes: int, written: int | None = None) -> None:
         what = f"slot {slot} ({nbytes} bytes)"
         self._check_cap(nbytes, self.total_bytes + self._control_mapping.size, what)
         generation = self.generations[slot] + 1
-        mapping, a, b, key = self.segments.create(slot, generation, nbytes, what, freed)
+        mapping, a, b, key = self.segments.create(slot, generation, nbytes, what, written)
         view = None
         try:
             if self.views is not None:
@@ -384,9 +383,11 @@ class SlotPool:
         of it. Refused (False) where pages must stay: a mapping registered with CUDA
         (a pinned page would stay the device's while the segment got a new one), a
         share_batches leader's (its private views map the segment's pages), or one
-        a forked child may still read."""
+        a forked child may still read; and where segments are reserved whole (POSIX: a
+        hole in a /dev/shm file could SIGBUS its next writer once /dev/shm is full)."""
         mapping = self.mappings[slot]
-        if (mapping is None or self._on_map is not None or self.views is not None
+        if (mapping is None or not self.segments.charged_as_written
+                or self._on_map is not None or self.views is not None
                 or mapping.forked or mapping.leases or start >= mapping.size):
             return False
         mapping.return_pages(start, mapping.size - start)

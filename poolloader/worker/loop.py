@@ -16,6 +16,8 @@ import copy
 import gc
 import os
 import random
+import sys
+import sysconfig
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -324,7 +326,12 @@ class LogicalWorker:
         if slot in pending:
             self.grow_hint = max(self.grow_hint, fmt.needed_bytes(header))
         elif status != fmt.ST_END and slots.returns_tail:
-            fmt.return_tail(mapping, header)
+            try:
+                fmt.return_tail(mapping, header)
+            except OSError:  # MADV_REMOVE refused (gVisor): the pages stay, as before
+                slots.returns_tail = False
+            except BufferError:  # something of this process views the slot: this time
+                pass
         del payload
         return status
 
@@ -344,8 +351,19 @@ def freeze_inherited() -> None:
     triggers it) cost the node pool 33 MiB of its cgroup's charge at RF-DETR's shape,
     4 ranks, 2 processes (docs/benchmarks.md). O(1); what the process makes itself is
     collected as before, and a parent's garbage is never finalized here. CPython's
-    gc.freeze documentation gives the same remedy for pre-fork servers."""
-    gc.freeze()
+    gc.freeze documentation gives the same remedy for pre-fork servers. Not where the
+    freeze itself writes every object's header (FREEZE_WRITES_HEADERS): it would copy
+    every inherited page at once, collection or not."""
+    if not FREEZE_WRITES_HEADERS:
+        gc.freeze()
+
+
+# CPython 3.14's incremental collector marks every frozen object's space in its header,
+# and a free-threaded build sets a bit in each: there gc.freeze() is O(objects) and
+# writes to every inherited page (not measured here: this project's machines have
+# neither; both read from CPython's gcmodule sources)
+FREEZE_WRITES_HEADERS = (sys.version_info >= (3, 14)
+                         or bool(sysconfig.get_config_var("Py_GIL_DISABLED")))
 
 
 def prepare_process(worker_id: int) -> None:

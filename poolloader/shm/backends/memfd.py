@@ -65,7 +65,13 @@ import warnings
 from poolloader.errors import PoolGone
 from poolloader.shm import fork
 from poolloader.shm._shm import Mapping
-from poolloader.shm.backend import Space, owner_lock_held, release_owner_lock, take_owner_lock
+from poolloader.shm.backend import (
+    Space,
+    owner_lock_held,
+    page_round,
+    release_owner_lock,
+    take_owner_lock,
+)
 
 KIND = "memfd"
 DESCRIPTION = "anonymous segments (memfd_create)"
@@ -438,14 +444,15 @@ class Segments:
         assert self._control is not None
         return (self.kind, self.owner_pid) + self._control
 
-    def create(self, slot: int, generation: int, nbytes: int, what: str, freed: int = 0):
+    def create(self, slot: int, generation: int, nbytes: int, what: str,
+               written: int | None = None):
         """(mapping, descriptor, inode, release key) of a new slot segment. Checked
         against the memory available first: under a cgroup limit, pages that are not
         there may wake the OOM killer instead of failing. Its pages are charged as
-        written, after the worker that writes it has dropped the segment it replaces,
-        so the `freed` bytes of that one count as available (a growth in a cgroup near
-        its limit was refused for memory it was about to give back)."""
-        SPACE.check(nbytes - freed, what)
+        written, so a growth is checked for the batch its worker will write
+        (`written`), not for the headroom above it (a growth in a cgroup near its
+        limit was refused for pages nobody would write)."""
+        SPACE.check(nbytes if written is None else min(nbytes, page_round(written)), what)
         mapping, fd, inode = create(nbytes, what, f"slot{slot}")
         self._fds.add(fd)
         return mapping, fd, inode, fd

@@ -256,9 +256,10 @@ class Segments:
         """What a worker needs to attach (picklable)."""
         return (self.kind, self.prefix)
 
-    def create(self, slot: int, generation: int, nbytes: int, what: str, freed: int = 0):
+    def create(self, slot: int, generation: int, nbytes: int, what: str,
+               written: int | None = None):
         """(mapping, handle a, handle b, release key) of a new slot segment, reserved
-        whole now (`freed` is not free yet: MainSide.create)."""
+        whole now (so checked for all `nbytes`, whatever is `written`: MainSide.create)."""
         name = slot_name(self.prefix, slot, generation)
         mapping = create_segment(name, nbytes, what)
         self._names.add(name)
