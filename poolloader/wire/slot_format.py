@@ -37,7 +37,6 @@ pickling would carry it: lossless, one copy, documented as the fallback.
 """
 from __future__ import annotations
 
-import mmap
 import pickle
 import struct
 
@@ -45,8 +44,8 @@ import numpy as np
 import torch
 
 from poolloader.errors import SlotCorrupt
+from poolloader.shm.backend import page_round
 
-PAGE = mmap.PAGESIZE
 SLOT_MAGIC = 0x746F6C536C50  # "PlSlot"
 HEADER_FIELDS = 17
 (F_MAGIC,          # SLOT_MAGIC
@@ -344,7 +343,7 @@ def return_tail(mapping, header: np.ndarray) -> None:
     state_len = int(header[F_STATE_LEN])
     if state_len:
         end = max(end, int(header[F_STATE_OFF]) + state_len)
-    end = -(-end // PAGE) * PAGE
+    end = page_round(end)
     tail = mapping.size - end
     if tail >= TAIL_RETURN_MIN and 4 * tail >= mapping.size:
         mapping.return_pages(end, tail)

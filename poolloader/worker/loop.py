@@ -342,6 +342,14 @@ def forget_worker_info() -> None:
     torch_worker._worker_info = None
 
 
+# CPython 3.14's incremental collector marks every frozen object's space in its header,
+# and a free-threaded build sets a bit in each: there gc.freeze() is O(objects) and
+# writes to every inherited page (not measured here: this project's machines have
+# neither; both read from CPython's gcmodule sources)
+FREEZE_WRITES_HEADERS = (sys.version_info >= (3, 14)
+                         or bool(sysconfig.get_config_var("Py_GIL_DISABLED")))
+
+
 def freeze_inherited() -> None:
     """First thing in a worker process: every object it has now (what a fork of main,
     of the node pool's host rank or of the zygote inherited) leaves its garbage
@@ -356,14 +364,6 @@ def freeze_inherited() -> None:
     every inherited page at once, collection or not."""
     if not FREEZE_WRITES_HEADERS:
         gc.freeze()
-
-
-# CPython 3.14's incremental collector marks every frozen object's space in its header,
-# and a free-threaded build sets a bit in each: there gc.freeze() is O(objects) and
-# writes to every inherited page (not measured here: this project's machines have
-# neither; both read from CPython's gcmodule sources)
-FREEZE_WRITES_HEADERS = (sys.version_info >= (3, 14)
-                         or bool(sysconfig.get_config_var("Py_GIL_DISABLED")))
 
 
 def prepare_process(worker_id: int) -> None:
