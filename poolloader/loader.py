@@ -94,10 +94,13 @@ class PoolLoader(DataLoader[T_co]):
                   `worker_pids` lists the P processes. With node_pool, the
                   node's processes (1 to num_workers × local ranks).
                   "auto": P is chosen again before each epoch from what the last
-                  one measured (main's wait, the workers' busy time), within the
+                  one measured (main's wait, the workers' busy time), and within
+                  an epoch every 2 s of steady delivery (the workers restart at a
+                  batch boundary from the iterator's own resume state), within the
                   CPUs and half the memory available (poolloader.main.autotune;
-                  `stats.auto_moves` lists each choice). Persistent workers keep
-                  the first epoch's P; not with node_pool.
+                  `stats.auto_moves` lists each choice). Within an epoch only for
+                  a stateful map-style dataset without device= staging or
+                  share_batches; not with node_pool.
       node_pool   True: under torchrun with 2 or more local ranks, the loaders of
                   the local ranks (built in the same order, with the same dataset,
                   collate_fn, batch_size, drop_last, num_workers, node_workers)
@@ -211,7 +214,7 @@ class PoolLoader(DataLoader[T_co]):
                 f"num_workers={self.num_workers} workers"
                 + (f" of each of the {group[1]} local ranks" if group else "")
                 + f" must be an int from 1 to {most}, "
-                + ("" if group else f"{autotune.AUTO!r} (chosen before each epoch), ")
+                + ("" if group else f"{autotune.AUTO!r} (chosen as it runs), ")
                 + "or None (one process per worker)"
                 + ("; with num_workers=0 no worker process runs at all: leave node_workers "
                    "None" if self.num_workers == 0 else "")

@@ -86,3 +86,20 @@ class PacedAugmentDataset(InitAugmentDataset):
         if self.sample_s:
             time.sleep(self.sample_s)
         return super().__getitem__(i)
+
+
+class FilePacedAugmentDataset(InitAugmentDataset):
+    """InitAugmentDataset whose every sample sleeps the seconds written in `pace_file`,
+    read at each sample: the load changes mid-epoch in every worker process at once
+    (a value set on the dataset in main reaches only processes started after it)."""
+
+    def __init__(self, pace_file, n=29):
+        super().__init__(n=n)
+        self.pace_file = str(pace_file)
+
+    def __getitem__(self, i):
+        with open(self.pace_file) as f:
+            pause = float(f.read() or 0)
+        if pause:
+            time.sleep(pause)
+        return super().__getitem__(i)

@@ -97,7 +97,9 @@ def test_moves_are_recorded_with_what_they_read():
     assert loader.stats.as_dict()["auto_moves"] == [str(m) for m in moves]
 
 
-def test_persistent_workers_keep_the_count_chosen_at_the_first_epoch():
+def test_persistent_workers_keep_their_count_until_a_window_of_steady_time_has_passed():
+    # three epochs of 0.35 s steady time each: under one review window (2 s); the
+    # within-epoch moves of persistent workers are tested below
     phases = [MAIN_BOUND] * 3
     (ref, _), (got, counts) = both_loaders(_make(persistent=True), _epochs(phases))
     _same_epochs(ref, got)
@@ -125,7 +127,7 @@ def test_a_state_saved_after_a_move_resumes_exactly():
 
 
 def test_bad_values_name_the_value_and_the_knob(monkeypatch):
-    with pytest.raises(ValueError, match=r"node_workers='fast'.*'auto' \(chosen before each epoch"):
+    with pytest.raises(ValueError, match=r"node_workers='fast'.*'auto' \(chosen as it runs"):
         PoolLoader(lds.PacedAugmentDataset(), num_workers=4, node_workers="fast")
     # no worker process to count: "auto" is None there, as a runner's option may reach a
     # loader a framework rebuilds with num_workers=0
@@ -252,3 +254,115 @@ def test_a_cgroup_s_cpu_quota_is_read_in_cpus(tmp_path, version, files, quota):
     for name, text in files.items():
         (tmp_path / name).write_text(text)
     assert autotune._quota(str(tmp_path), version) == quota
+
+
+# -- moves within an epoch ------------------------------------------------------------
+EPOCH_BATCHES = 120
+
+
+@pytest.fixture
+def short_windows(monkeypatch):
+    # a review every 0.3 s of steady delivery (2 s by default) keeps these epochs short
+    monkeypatch.setattr(autotune, "WINDOW_S", 0.3)
+
+
+def _paced(pace_file, persistent=False, context="fork", **extra):
+    def make(cls):
+        return cls(lds.FilePacedAugmentDataset(pace_file, n=3 * EPOCH_BATCHES), batch_size=3,
+                   shuffle=True, num_workers=4, worker_init_fn=lds.augment_init,
+                   persistent_workers=persistent, multiprocessing_context=context,
+                   **({"node_workers": "auto", **extra} if cls is PoolLoader else {}))
+    return make
+
+
+def _paced_epochs(pace_file, phases):
+    """One epoch per phase, the load set by the file the samples read: MAIN_BOUND (the
+    consumer sleeps 10 ms a batch, samples are instant), WORKER_BOUND (samples sleep 10
+    ms). Keeps every batch, and a draw of main's RNG after each epoch (a move must not
+    touch it)."""
+    def run(loader):
+        out = []
+        for phase in phases:
+            pace_file.write_text("0.01" if phase == WORKER_BOUND else "0")
+            for batch in loader:
+                if phase == MAIN_BOUND:
+                    time.sleep(0.01)
+                out.append(batch)
+            out.append({"main_rng": torch.rand(2)})
+        return out
+    return run
+
+
+def _within(moves):
+    """The moves made inside an epoch (a move between epochs is at a multiple of its
+    batches), as (epoch, frm, to)."""
+    return [(m.epoch, m.frm, m.to) for m in moves[1:]
+            if m.frm != m.to and m.batch % EPOCH_BATCHES]
+
+
+@pytest.mark.parametrize("persistent,context", [(False, "fork"), (True, "forkserver")])
+def test_the_count_moves_within_an_epoch_and_every_batch_stays_dataloaders(
+        short_windows, tmp_path, monkeypatch, persistent, context):
+    from poolloader.main.iterator import PoolLoaderIter
+    owed = []  # at each move: (replies waiting for main, requests in flight)
+    move = PoolLoaderIter._move_processes
+
+    def counting_move(self, loader, processes):
+        owed.append(self.prefetched)
+        move(self, loader, processes)
+    monkeypatch.setattr(PoolLoaderIter, "_move_processes", counting_move)
+    pace = tmp_path / "pace"
+    loaders = []
+
+    def make(cls):
+        loader = _paced(pace, persistent, context)(cls)
+        loaders.append(loader)
+        return loader
+    ref, got = both_loaders(make, _paced_epochs(pace, [MAIN_BOUND, WORKER_BOUND]))
+    assert len(ref) == len(got) == 2 * (EPOCH_BATCHES + 1)
+    assert_same(ref, got, "epochs")  # every batch, and main's RNG after each epoch
+    moves = _within(loaders[1].stats.auto_moves)
+    # main-bound: processes go inside the first epoch; worker-bound: they come back
+    # inside the second
+    assert any(e == 1 and to < frm for e, frm, to in moves), loaders[1].stats.auto_moves
+    assert any(e == 2 and to > frm for e, frm, to in moves), loaders[1].stats.auto_moves
+    # each move stopped processes that owed batches: none was lost or repeated (above)
+    assert len(owed) == len(moves) and all(sum(o) > 0 for o in owed), owed
+
+
+def test_a_state_saved_after_a_move_within_the_epoch_resumes_exactly(short_windows, tmp_path):
+    pace = tmp_path / "pace"
+    pace.write_text("0")
+    make = _paced(pace)
+    torch.manual_seed(5)
+    ref = list(make(DataLoader))
+    torch.manual_seed(5)
+    loader = make(PoolLoader)
+    it = iter(loader)
+    head = []
+    while not _within(loader.stats.auto_moves) and len(head) < EPOCH_BATCHES - 10:
+        head.append(next(it))
+        time.sleep(0.01)
+    assert _within(loader.stats.auto_moves), loader.stats.auto_moves
+    head += [next(it) for _ in range(3)]  # batches from the processes after the move
+    state = loader.state_dict()
+    rest = list(it)
+    del it
+    torch.manual_seed(99)  # another global state: the loaded one must not matter
+    second = _paced(pace)(PoolLoader)
+    second.load_state_dict(state)
+    assert_same(ref[:len(head)], head, "head")
+    assert_same(ref[len(head):], rest, "rest")
+    assert_same(ref[len(head):], list(second), "resumed")
+
+
+def test_a_loader_that_cannot_restart_exactly_moves_only_between_epochs(short_windows, tmp_path):
+    pace = tmp_path / "pace"
+    pace.write_text("0")
+    loader = _paced(pace, stateful=False)(PoolLoader)
+    for _ in range(2):
+        for _batch in loader:
+            time.sleep(0.01)
+    moves = loader.stats.auto_moves
+    assert not _within(moves), moves
+    assert [m.batch for m in moves[1:]] == [EPOCH_BATCHES], moves  # the one between epochs

@@ -117,7 +117,7 @@ def advise(stats, cores: int | None = None) -> Advice:
             line += (f"; fewer workers would do: with num_workers={fewer} instead of {m} "
                      f"they would be busy about {_pct(m * b_share / fewer)} (to keep "
                      f"num_workers={m}'s batches: node_workers={fewer} processes, or "
-                     f"node_workers=\"auto\", which chooses before each epoch)")
+                     f"node_workers=\"auto\", which chooses as it runs)")
         said.append(line)
     else:
         verdict = "balanced"

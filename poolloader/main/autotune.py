@@ -1,10 +1,12 @@
 """PoolLoader(node_workers="auto"): how many processes host the num_workers logical
-workers, chosen again before each epoch from what the epoch before measured.
+workers, chosen again before each epoch from what the epoch before measured, and
+within an epoch every WINDOW_S seconds of steady delivery.
 
 Why the batches cannot change: the num_workers logical workers fix them (each its
 seed, RNG states, dataset copy and iterator; poolloader.worker.loop), and which process
 hosts a logical worker changes none of that (`node_workers=P`). So the count may move
-between epochs with every batch still DataLoader(num_workers)'s.
+between epochs, and within one through the exact resume, with every batch still
+DataLoader(num_workers)'s.
 
 What it reads, per epoch, from the loader's own counters (poolloader.main.stats): the
 steady state's wall time (`iter_s`: first batch to last), the share of it next() spent
@@ -23,9 +25,19 @@ The rule, with room between its two thresholds so that it never oscillates:
     is over half the memory available (the memory cgroup's limit less its working set,
     else MemAvailable: poolloader.shm.backends.memfd). Memory never takes a process
     away: a process's USS is mostly its logical workers', which move with them.
-The first epoch runs min(num_workers, CPUs) processes. With persistent_workers=True
-the processes live across epochs, so the count is chosen as each iterator is built:
-the first epoch, and again after load_state_dict() (which builds a new one).
+The first epoch runs min(num_workers, CPUs) processes.
+
+Within an epoch the same rule reads each window of at least WINDOW_S seconds and
+MIN_STEADY_BATCHES batches of steady delivery (`review`), and a move restarts the
+iterator in place at a batch boundary, from its own resume state (PoolLoaderIter.
+_move_processes: the requests in flight are drawn and fetched again by the new
+processes, as after load_state_dict()), so every batch stays DataLoader's. The window
+(and the first batch after a move counts as start-up, not steady time) keeps the
+count from moving faster than the processes can show what a move did. With
+persistent_workers=True this is how the count moves at all after the first epoch.
+Where an iterator cannot restart in place exactly (PoolLoaderIter._moves_in_epoch:
+stateful=False, an IterableDataset or a datapipe, device=/pin_memory staging,
+share_batches), the count moves only between epochs.
 
 Each move is recorded (`LoaderStats.auto_moves`, the runner's summary prints them).
 """
@@ -42,6 +54,7 @@ LOWER_AT = 0.02
 FILL = 0.75
 MEMORY_SHARE = 0.5  # of the memory available, as tf.data's AUTOTUNE RAM budget
 MIN_STEADY_BATCHES = 4  # an epoch shorter than that says nothing: no move
+WINDOW_S = 2.0  # within an epoch: the steady seconds a review reads (and the least between moves)
 
 
 def cpu_budget() -> int:
@@ -176,12 +189,35 @@ class AutoWorkers:
                                          f"min(num_workers, the budget: {bound})"))
         else:
             self.current = self._decide(stats, limit, bound)
-        self._mark = (stats.iter_s, stats.steady_wait_s, stats.worker_busy_s,
-                      stats.steady_batches)
+        self.mark(stats)
         return self.current
 
-    def _decide(self, stats, limit: int, bound: str) -> int:
+    def review_at(self, stats) -> float:
+        """The steady time (`stats.iter_s`) at which the next review within the epoch is
+        due: the iterator compares one float per batch."""
+        return (stats.iter_s if self._mark is None else self._mark[0]) + WINDOW_S
+
+    def review(self, stats, epochs_in: int = 0) -> int | None:
+        """Within an epoch, once `review_at` has passed: the count to move to, or None
+        (no move; too few batches yet). Decided from the window since the last review
+        or move, which starts the next window. `epochs_in`: epochs a persistent
+        iterator has run since it was built (its moves are recorded in the right one)."""
+        if self._mark is not None and stats.steady_batches - self._mark[3] < MIN_STEADY_BATCHES:
+            return None
+        limit, bound = self.budget()
+        before = self.current
+        self.current = self._decide(stats, limit, bound, self.epochs + epochs_in)
+        self.mark(stats)
+        return self.current if self.current != before else None
+
+    def mark(self, stats) -> None:
+        """The counters a window starts from: as an iterator is built, after a review."""
+        self._mark = (stats.iter_s, stats.steady_wait_s, stats.worker_busy_s,
+                      stats.steady_batches)
+
+    def _decide(self, stats, limit: int, bound: str, epoch: int | None = None) -> int:
         now = self.current
+        epoch = self.epochs if epoch is None else epoch
         waited = busy = 0.0
         to, why = now, ""
         measured = False
@@ -206,11 +242,11 @@ class AutoWorkers:
             if refused is None:
                 to, why = now + 1, f"main waited {RAISE_AT:.0%} or more"
             elif not stats.auto_moves or stats.auto_moves[-1].why != refused:  # said once
-                stats.auto_moves.append(Move(self.epochs, stats.batches, now, now, waited,
+                stats.auto_moves.append(Move(epoch, stats.batches, now, now, waited,
                                              busy, refused))
         elif waited <= LOWER_AT and now > 1 and busy <= FILL * (now - 1):
             to, why = now - 1, (f"main waited {LOWER_AT:.0%} or less and "
                                 f"{_processes(now - 1)} would be at most {FILL:.0%} busy")
         if to != now:
-            stats.auto_moves.append(Move(self.epochs, stats.batches, now, to, waited, busy, why))
+            stats.auto_moves.append(Move(epoch, stats.batches, now, to, waited, busy, why))
         return to

@@ -17,8 +17,11 @@ from __future__ import annotations
 import collections
 import functools
 import itertools
+import math
 import os
 import time
+import warnings
+import weakref
 
 import torch
 from torch._utils import ExceptionWrapper
@@ -32,6 +35,7 @@ from torch.utils.data import (
 )
 from torch.utils.data.dataloader import (
     _BaseDataLoaderIter,
+    _DatasetKind,
     _MultiProcessingDataLoaderIter,
     _sharding_worker_init_fn,
 )
@@ -45,7 +49,7 @@ from poolloader.main.share import SHARE_SLACK
 from poolloader.main.stats import LoaderStats
 from poolloader.main.teardown import IteratorTeardown
 from poolloader.main.tracked import TrackedNext
-from poolloader.resume.tracker import IteratorSetup, ResumeTracker
+from poolloader.resume.tracker import IteratorSetup, ResumePlan, ResumeTracker
 from poolloader.shm.control import hosted_by
 from poolloader.shm.pool import SlotPool
 from poolloader.wire import codec
@@ -82,9 +86,12 @@ class PoolLoaderIter(TrackedNext, RequestScheduling, IteratorTeardown,
     so this is one; its queue-based __init__ is skipped and every method that
     touches queues, pin threads or workers is replaced below."""
 
-    def __init__(self, loader, resume_plan=None) -> None:
-        """`resume_plan`: a loaded state to continue from (poolloader.resume.tracker.ResumePlan)."""
+    def __init__(self, loader, resume_plan=None, process_count: int | None = None) -> None:
+        """`resume_plan`: a loaded state to continue from (poolloader.resume.tracker.ResumePlan);
+        `process_count`: the worker processes to start (None: the loader's epoch_processes();
+        a node_workers="auto" move within the epoch passes its count: _move_processes)."""
         _BaseDataLoaderIter.__init__(self, loader)
+        self._loader_ref = weakref.ref(loader)  # node_workers="auto": a move restarts from it
         self._shutdown = True  # until workers exist there is nothing to shut down
         self._shared_start: startup.SharedStart | None = None
         self._unheard: set[int] = set()  # workers that may not have loaded _shared_start yet
@@ -121,7 +128,7 @@ class PoolLoaderIter(TrackedNext, RequestScheduling, IteratorTeardown,
         n = self._num_workers
         # node_workers=P < n: P processes host the n logical workers (worker i in
         # process hosted_by(i, P)); 0: one process per worker. "auto": this epoch's P
-        hosting = loader.epoch_processes()
+        hosting = loader.epoch_processes() if process_count is None else process_count
         hosts = hosting if hosting < n else 0
         if self._node is not None:
             hosts = 0  # the node's processes wait on the node segment's doorbells
@@ -227,6 +234,10 @@ class PoolLoaderIter(TrackedNext, RequestScheduling, IteratorTeardown,
             self._stats.attach_pool(self._pool, self._ledger, self._workers)
             self._stats.num_workers = n
             self._stats.processes = hosting
+            # node_workers="auto": the steady time (stats.iter_s) of the next review of
+            # the process count within the epoch; never where a move could not be exact
+            self._review_at = (loader._auto.review_at(self._stats)
+                               if self._moves_in_epoch(loader) else math.inf)
             self._reset(loader, first_iter=True)
         except BaseException:
             self._shutdown_workers()
@@ -431,6 +442,9 @@ class PoolLoaderIter(TrackedNext, RequestScheduling, IteratorTeardown,
         # an interrupted call's delivery and replies are settled before any slot is reused
         self._settle_delivery()
         ledger.settle()
+        if self._stats.iter_s >= self._review_at and not self._sampler_exhausted:
+            self._review_processes()  # node_workers="auto": may restart the workers
+            ledger = self._ledger
         if self._puts_owed or self._held:  # requests an earlier call could not send go first
             self._send_owed()
         while True:
@@ -568,6 +582,59 @@ class PoolLoaderIter(TrackedNext, RequestScheduling, IteratorTeardown,
             self._rcvd_idx = idx + 1
         self._workers_num_tasks[worker] -= 1
         self._puts_owed += 1  # its refill (_refill), as DataLoader's _try_put_index
+
+    # -- node_workers="auto" within an epoch (poolloader.main.autotune) ------------------
+    def _moves_in_epoch(self, loader) -> bool:
+        """Whether this iterator may restart in place with another process count at a
+        batch boundary, every batch still DataLoader's: it resumes from its own state
+        (a stateful loader), O(num_workers) main-side work for a map-style dataset (an
+        IterableDataset without state_dict() would replay its epoch; a datapipe's
+        restart would draw its shared seed again, collectively under torch.distributed),
+        no batch taken ahead of the caller (a device=/pin_memory stager holds one the
+        state does not count yet), no other rank reading this pool (share_batches,
+        node_pool)."""
+        return (getattr(loader, "_auto", None) is not None and loader.stateful
+                and self._node is None and self._share is None and self._stager is None
+                and self._dataset_kind == _DatasetKind.Map
+                and not isinstance(self._dataset, (IterDataPipe, MapDataPipe)))
+
+    def _review_processes(self) -> None:
+        """A window of steady delivery has passed: the rule (autotune.AutoWorkers.review)
+        reads it, and a move restarts the workers here."""
+        loader = self._loader_ref()
+        auto = None if loader is None else loader._auto
+        if auto is None:  # the loader is gone, or "auto" was taken back
+            self._review_at = math.inf
+            return
+        to = auto.review(self._stats, self._epoch)
+        if to is None:
+            self._review_at = auto.review_at(self._stats)
+            return
+        self._move_processes(loader, to)
+
+    def _move_processes(self, loader, processes: int) -> None:
+        """Restart this iterator in place with `processes` worker processes, from its own
+        resume state: the workers stop, and new ones start with each logical worker's
+        state after its last delivered batch; the requests in flight are drawn again
+        and fetched by them (as after load_state_dict()), so no batch is lost, repeated
+        or changed. Main's RNG is left as it was (the restart draws a base seed, which
+        the state replaces, as loader._get_iterator does for a resumed epoch). A batch
+        the caller holds keeps its slot (its lease outlives the old pool's close)."""
+        plan = ResumePlan(self._resume.state_dict(), loader)
+        epoch = self._epoch  # persistent workers: the epochs this iterator has run
+        caller_rng = torch.get_rng_state()
+        self._shutdown_workers()
+        loader._auto.workers_stopped(self._stats.last_memory)
+        try:
+            with warnings.catch_warnings():
+                # what the first start warned of (pin_memory without an accelerator)
+                # was said then; a restart says it again on every move
+                warnings.simplefilter("ignore")
+                PoolLoaderIter.__init__(self, loader, plan, processes)
+        finally:
+            torch.set_rng_state(caller_rng)
+        self._epoch = epoch
+        loader._resume_tracker = self._resume
 
     # -- teardown ---------------------------------------------------------------------
     def _fail(self, error: BaseException) -> None:
