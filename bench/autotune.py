@@ -13,22 +13,29 @@ Scenarios (cells, with the start method):
   main     the consumer is: a 40 ms "training step" (sleep) per batch, samples instant
            (rounds=0); the question is how few processes suffice;
   change   as "worker", and from the third of the epochs to the second third another
-           process (a Python busy loop this bench starts and ends, by pid) takes a core.
+           process (a Python busy loop this bench starts and ends, by pid) takes a core;
+  shift    one epoch of persistent workers whose load changes inside it: its first
+           `--shift-batches` batches as "main", the next as "worker" (the samples read
+           their rounds from a file this bench rewrites at the switch). auto follows
+           it only by moving within the epoch (every autotune.WINDOW_S of steady time).
 Metrics per measurement: batches/s over the whole run (every epoch's start-up
 included: non-persistent workers start each epoch); batches/s over the last half of the
-epochs ("settled"); auto's count per epoch. Ratios: auto / the best fixed arm of the
-same repetition (paired), median [min–max] over repetitions.
+epochs ("settled"; shift: the worker-bound part); auto's count per epoch (shift: its
+counts in order, `/` at the switch, and the seconds from the switch to its first
+move up). Ratios: auto / the best fixed arm of the same repetition (paired), median
+[min–max] over repetitions.
 
 Usage:
   python bench/autotune.py [--quick] [--epochs 9] [--batches 24] [--rounds 8]
-                           [--scenarios worker,main,change] [--methods fork,forkserver]
-                           [--out DIR] [--reps N]
+                           [--scenarios worker,main,change,shift] [--methods fork,forkserver]
+                           [--shift-batches 150,450] [--out DIR] [--reps N]
 """
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -44,7 +51,7 @@ WORKERS, BATCH = 4, 4
 STEP_S = 0.04  # the "main" scenario's training step per batch
 ARMS = ("1", "2", "4", "auto")
 FIXED = ("1", "2", "4")
-SCENARIOS = ("worker", "main", "change")
+SCENARIOS = ("worker", "main", "change", "shift")
 
 
 def _hog() -> subprocess.Popen:
@@ -53,6 +60,8 @@ def _hog() -> subprocess.Popen:
 
 def measure(cell, arm: str, args) -> dict:
     scenario, method = cell
+    if scenario == "shift":
+        return measure_shift(method, arm, args)
     rounds = 0 if scenario == "main" else args.rounds
     loader = PoolLoader(Crunch(args.batches * BATCH, rounds), batch_size=BATCH,
                         num_workers=WORKERS, multiprocessing_context=method,
@@ -89,6 +98,53 @@ def measure(cell, arm: str, args) -> dict:
             "counts": "".join(str(c) for c in counts)}
 
 
+def measure_shift(method: str, arm: str, args) -> dict:
+    """One epoch of persistent workers: main-bound for `first` batches, then
+    worker-bound for `second` (see the module docstring)."""
+    first, second = args.shift_batches
+    with tempfile.TemporaryDirectory(prefix="poolloader-autotune-") as tmp:
+        rounds_file = os.path.join(tmp, "rounds")
+        with open(rounds_file, "w") as f:
+            f.write("0")
+        loader = PoolLoader(Crunch((first + second) * BATCH, 0, rounds_file), batch_size=BATCH,
+                            num_workers=WORKERS, multiprocessing_context=method,
+                            persistent_workers=True,
+                            node_workers="auto" if arm == "auto" else int(arm))
+        counts, marks, n = [], [], 0
+        try:
+            t0 = time.perf_counter()
+            switched = None
+            for _batch in loader:
+                n += 1
+                if n <= first:
+                    time.sleep(STEP_S)
+                if n == first:
+                    with open(rounds_file, "w") as f:
+                        f.write(str(args.rounds))
+                    switched = time.perf_counter()
+                count = loader.stats.processes
+                if not counts or counts[-1] != count:
+                    counts.append(count)
+                    marks.append((n, time.perf_counter()))
+            end = time.perf_counter()
+        finally:
+            it = loader._iterator
+            if it is not None:
+                it._shutdown_workers()
+            del loader, it
+            left = procs.wait_clean()
+    if left:
+        raise common.BenchError(f"left behind after the measurement: {left}")
+    if n != first + second or switched is None:
+        raise common.BenchError(f"{n} batches, expected {first + second}")
+    before = [c for c, (b, _) in zip(counts, marks) if b <= first]
+    after = [c for c, (b, _) in zip(counts, marks) if b > first]
+    ups = [t for c, (b, t) in zip(counts, marks) if b > first and c > before[-1]]
+    return {"batch_s": n / (end - t0), "settled_batch_s": second / (end - switched),
+            "counts": "".join(map(str, before)) + "/" + "".join(map(str, after)),
+            **({"follow_s": ups[0] - switched} if ups else {})}
+
+
 def paired_best(raw, cell, metric: str):
     """auto / the best fixed arm of the same repetition, summarised over repetitions."""
     per_rep: dict[int, dict[str, float]] = {}
@@ -103,6 +159,9 @@ def render(raw, args) -> str:
     rows = []
     for cell in raw.cells:
         counts = [c for c in raw.series(cell, "auto", "counts") if c]
+        follow = raw.series(cell, "auto", "follow_s")
+        if follow:
+            counts.append("(up " + ", ".join(f"{s:.1f}" for s in follow) + " s after the switch)")
         rows.append([
             f"{cell[0]}, {cell[1]}",
             *(common.cell_text(raw, cell, arm, "batch_s", ".1f") for arm in ARMS),
@@ -115,7 +174,9 @@ def render(raw, args) -> str:
             f"batch_size={BATCH}), {args.epochs} epochs of {args.batches} batches, "
             f"non-persistent workers; samples of {args.rounds} rounds of a 256×256 product "
             f"(main: none, and a {STEP_S * 1e3:.0f} ms step per batch); change: a busy loop "
-            f"takes a core from epoch {args.epochs // 3 + 1} to {2 * args.epochs // 3}. "
+            f"takes a core from epoch {args.epochs // 3 + 1} to {2 * args.epochs // 3}; "
+            f"shift: one epoch of persistent workers, {args.shift_batches[0]} batches as "
+            f"main then {args.shift_batches[1]} as worker (settled: the worker part). "
             f"{args.reps} repetitions (+{args.warmup_reps} warm-up), median [min–max]; "
             f"auto / best fixed paired per repetition. {writers.env_line()}.")
     table = writers.markdown_table(
@@ -132,7 +193,12 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=8, help="matrix products per sample")
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
     p.add_argument("--methods", default="fork,forkserver")
+    p.add_argument("--shift-batches", default="150,450",
+                   help="shift: batches main-bound, then worker-bound")
     args = common.parse(p, argv)
+    args.shift_batches = tuple(int(x) for x in args.shift_batches.split(","))
+    if len(args.shift_batches) != 2 or min(args.shift_batches) < 1:
+        p.error(f"--shift-batches: two positive counts, got {args.shift_batches}")
     args.epochs = args.epochs or (6 if args.quick else 9)
     scenarios = [s for s in args.scenarios.split(",") if s]
     unknown = sorted(set(scenarios) - set(SCENARIOS))
