@@ -14,21 +14,22 @@ Scenarios (cells, with the start method):
            (rounds=0); the question is how few processes suffice;
   change   as "worker", and from the third of the epochs to the second third another
            process (a Python busy loop this bench starts and ends, by pid) takes a core;
-  shift    one epoch of persistent workers whose load changes inside it: its first
-           `--shift-batches` batches as "main", the next as "worker" (the samples read
-           their rounds from a file this bench rewrites at the switch). auto follows
-           it only by moving within the epoch (every autotune.WINDOW_S of steady time).
+  shift    one epoch of persistent workers whose load changes inside it, twice: its
+           `--shift-batches` batches as "main", then "worker", then "main" again (the
+           samples read their rounds from a file this bench rewrites at each switch).
+           auto follows it only by moving within the epoch (every autotune.WINDOW_S
+           of steady time).
 Metrics per measurement: batches/s over the whole run (every epoch's start-up
 included: non-persistent workers start each epoch); batches/s over the last half of the
 epochs ("settled"; shift: the worker-bound part); auto's count per epoch (shift: its
-counts in order, `/` at the switch, and the seconds from the switch to its first
-move up). Ratios: auto / the best fixed arm of the same repetition (paired), median
+counts in order, `/` at each switch, and the seconds from each switch to its first
+move). Ratios: auto / the best fixed arm of the same repetition (paired), median
 [min–max] over repetitions.
 
 Usage:
   python bench/autotune.py [--quick] [--epochs 9] [--batches 24] [--rounds 8]
                            [--scenarios worker,main,change,shift] [--methods fork,forkserver]
-                           [--shift-batches 150,450] [--out DIR] [--reps N]
+                           [--shift-batches 150,450,150] [--out DIR] [--reps N]
 """
 from __future__ import annotations
 
@@ -98,34 +99,48 @@ def measure(cell, arm: str, args) -> dict:
             "counts": "".join(str(c) for c in counts)}
 
 
+def _set_rounds(path: str, rounds: int) -> None:
+    """Replaced whole (a rename), so that no worker reads it half-written."""
+    with open(path + ".new", "w") as f:
+        f.write(str(rounds))
+    os.replace(path + ".new", path)
+
+
 def measure_shift(method: str, arm: str, args) -> dict:
-    """One epoch of persistent workers: main-bound for `first` batches, then
-    worker-bound for `second` (see the module docstring)."""
-    first, second = args.shift_batches
+    """One epoch of persistent workers: main-bound, worker-bound, main-bound again, for
+    the `--shift-batches` counts (see the module docstring)."""
+    phases = list(zip(("main", "worker", "main"), args.shift_batches))
+    total = sum(args.shift_batches)
+    ends = [sum(args.shift_batches[:i + 1]) for i in range(len(phases))]
     with tempfile.TemporaryDirectory(prefix="poolloader-autotune-") as tmp:
         rounds_file = os.path.join(tmp, "rounds")
-        with open(rounds_file, "w") as f:
-            f.write("0")
-        loader = PoolLoader(Crunch((first + second) * BATCH, 0, rounds_file), batch_size=BATCH,
+        _set_rounds(rounds_file, 0)
+        loader = PoolLoader(Crunch(total * BATCH, 0, rounds_file), batch_size=BATCH,
                             num_workers=WORKERS, multiprocessing_context=method,
                             persistent_workers=True,
                             node_workers="auto" if arm == "auto" else int(arm))
-        counts, marks, n = [], [], 0
+        counts: list[list[int]] = [[] for _ in phases]  # auto's counts in each phase
+        follow: list[float | None] = [None] * len(phases)  # seconds to its first move
+        switched = [0.0] * len(phases)  # when each phase began
+        n, phase = 0, 0
         try:
-            t0 = time.perf_counter()
-            switched = None
+            switched[0] = time.perf_counter()
             for _batch in loader:
                 n += 1
-                if n <= first:
+                if phases[phase][0] == "main":
                     time.sleep(STEP_S)
-                if n == first:
-                    with open(rounds_file, "w") as f:
-                        f.write(str(args.rounds))
-                    switched = time.perf_counter()
                 count = loader.stats.processes
-                if not counts or counts[-1] != count:
-                    counts.append(count)
-                    marks.append((n, time.perf_counter()))
+                seen = counts[phase]
+                if phase and not seen:
+                    seen.append(counts[phase - 1][-1])
+                if not seen or seen[-1] != count:
+                    if phase and follow[phase] is None and seen:
+                        follow[phase] = time.perf_counter() - switched[phase]
+                    seen.append(count)
+                if n == ends[phase] and phase + 1 < len(phases):
+                    phase += 1
+                    _set_rounds(rounds_file, args.rounds if phases[phase][0] == "worker" else 0)
+                    switched[phase] = time.perf_counter()
             end = time.perf_counter()
         finally:
             it = loader._iterator
@@ -135,14 +150,13 @@ def measure_shift(method: str, arm: str, args) -> dict:
             left = procs.wait_clean()
     if left:
         raise common.BenchError(f"left behind after the measurement: {left}")
-    if n != first + second or switched is None:
-        raise common.BenchError(f"{n} batches, expected {first + second}")
-    before = [c for c, (b, _) in zip(counts, marks) if b <= first]
-    after = [c for c, (b, _) in zip(counts, marks) if b > first]
-    ups = [t for c, (b, t) in zip(counts, marks) if b > first and c > before[-1]]
-    return {"batch_s": n / (end - t0), "settled_batch_s": second / (end - switched),
-            "counts": "".join(map(str, before)) + "/" + "".join(map(str, after)),
-            **({"follow_s": ups[0] - switched} if ups else {})}
+    if n != total:
+        raise common.BenchError(f"{n} batches, expected {total}")
+    worker_end = switched[2] if len(phases) > 2 else end
+    return {"batch_s": n / (end - switched[0]),
+            "settled_batch_s": args.shift_batches[1] / (worker_end - switched[1]),
+            "counts": "/".join("".join(map(str, c)) for c in counts),
+            **{f"follow_{i}_s": s for i, s in enumerate(follow) if s is not None}}
 
 
 def paired_best(raw, cell, metric: str):
@@ -159,9 +173,11 @@ def render(raw, args) -> str:
     rows = []
     for cell in raw.cells:
         counts = [c for c in raw.series(cell, "auto", "counts") if c]
-        follow = raw.series(cell, "auto", "follow_s")
-        if follow:
-            counts.append("(up " + ", ".join(f"{s:.1f}" for s in follow) + " s after the switch)")
+        for i, way in ((1, "to worker-bound"), (2, "back to main-bound")):
+            follow = raw.series(cell, "auto", f"follow_{i}_s")
+            if follow:
+                counts.append(f"(moved {', '.join(f'{s:.1f}' for s in follow)} s after "
+                              f"the switch {way})")
         rows.append([
             f"{cell[0]}, {cell[1]}",
             *(common.cell_text(raw, cell, arm, "batch_s", ".1f") for arm in ARMS),
@@ -176,7 +192,8 @@ def render(raw, args) -> str:
             f"(main: none, and a {STEP_S * 1e3:.0f} ms step per batch); change: a busy loop "
             f"takes a core from epoch {args.epochs // 3 + 1} to {2 * args.epochs // 3}; "
             f"shift: one epoch of persistent workers, {args.shift_batches[0]} batches as "
-            f"main then {args.shift_batches[1]} as worker (settled: the worker part). "
+            f"main, {args.shift_batches[1]} as worker, {args.shift_batches[2]} as main "
+            f"(settled: the worker part). "
             f"{args.reps} repetitions (+{args.warmup_reps} warm-up), median [min–max]; "
             f"auto / best fixed paired per repetition. {writers.env_line()}.")
     table = writers.markdown_table(
@@ -193,12 +210,12 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=8, help="matrix products per sample")
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
     p.add_argument("--methods", default="fork,forkserver")
-    p.add_argument("--shift-batches", default="150,450",
-                   help="shift: batches main-bound, then worker-bound")
+    p.add_argument("--shift-batches", default="150,450,150",
+                   help="shift: batches main-bound, worker-bound, main-bound")
     args = common.parse(p, argv)
     args.shift_batches = tuple(int(x) for x in args.shift_batches.split(","))
-    if len(args.shift_batches) != 2 or min(args.shift_batches) < 1:
-        p.error(f"--shift-batches: two positive counts, got {args.shift_batches}")
+    if len(args.shift_batches) != 3 or min(args.shift_batches) < 1:
+        p.error(f"--shift-batches: three positive counts, got {args.shift_batches}")
     args.epochs = args.epochs or (6 if args.quick else 9)
     scenarios = [s for s in args.scenarios.split(",") if s]
     unknown = sorted(set(scenarios) - set(SCENARIOS))
