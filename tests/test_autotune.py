@@ -223,6 +223,29 @@ def test_the_rule_moves_one_step_records_each_choice_and_reads_nothing_into_shor
     assert auto.processes(stats) == 2 and len(stats.auto_moves) == 1
 
 
+def test_a_review_reads_its_window_and_the_next_epoch_reads_since_the_last_move():
+    auto = autotune.AutoWorkers(4)
+    stats, _ = _counters()
+    assert auto.processes(stats) == 4
+    assert auto.review_at(stats) == autotune.WINDOW_S
+    # a window of 3 steady batches says nothing yet: no move, and the window goes on
+    stats.iter_s, stats.steady_batches = 2.5, 3
+    assert auto.review(stats) is None and auto.review_at(stats) == autotune.WINDOW_S
+    # main-bound (waited 0.4%, workers 0.1 processes busy): one process fewer, and the
+    # next window starts here
+    stats.iter_s, stats.steady_wait_s, stats.worker_busy_s, stats.steady_batches = 2.5, 0.01, 0.25, 30
+    assert auto.review(stats) == 3 and auto.review_at(stats) == 2.5 + autotune.WINDOW_S
+    assert str(stats.auto_moves[-1]).startswith("auto: 4 → 3 processes")
+    # a window between the thresholds (waited 5%): no move, but a new window
+    stats.iter_s, stats.steady_wait_s, stats.steady_batches = 5.0, 0.135, 60
+    assert auto.review(stats) is None and auto.review_at(stats) == 5.0 + autotune.WINDOW_S
+    # the epoch ends 0.2 s and 5 batches later, main waiting half of that tail: the
+    # choice between epochs reads everything since the move (waited 8%: no move), not
+    # the tail alone (50%: one process more)
+    stats.iter_s, stats.steady_wait_s, stats.steady_batches = 5.2, 0.235, 65
+    assert auto.processes(stats) == 3 and len(stats.auto_moves) == 2, stats.auto_moves
+
+
 def test_a_process_more_is_refused_for_memory_and_memory_never_takes_one_away(monkeypatch):
     monkeypatch.setenv(autotune.CPUS_ENV, "4")
     auto = autotune.AutoWorkers(4)

@@ -148,7 +148,8 @@ class AutoWorkers:
         self.num_workers = num_workers
         self.current = 0  # 0: no epoch ran yet
         self.epochs = 0
-        self._mark: tuple | None = None  # the counters as the current epoch began
+        self._mark: tuple | None = None  # the counters as the current window began
+        self._since: tuple | None = None  # as the current epoch began, or its last move
         self._per_process = 0  # USS per process the last epoch's workers had (bytes)
 
     def budget(self) -> tuple[int, str]:
@@ -188,8 +189,11 @@ class AutoWorkers:
             stats.auto_moves.append(Move(1, stats.batches, 0, self.current, 0.0, 0.0,
                                          f"min(num_workers, the budget: {bound})"))
         else:
-            self.current = self._decide(stats, limit, bound)
+            # from the whole epoch (since its last move): a review's window may have
+            # ended a few batches before the epoch did
+            self.current = self._decide(stats, limit, bound, self._since)
         self.mark(stats)
+        self._since = self._mark
         return self.current
 
     def review_at(self, stats) -> float:
@@ -206,26 +210,32 @@ class AutoWorkers:
             return None
         limit, bound = self.budget()
         before = self.current
-        self.current = self._decide(stats, limit, bound, self.epochs + epochs_in)
+        self.current = self._decide(stats, limit, bound, self._mark, self.epochs + epochs_in)
         self.mark(stats)
-        return self.current if self.current != before else None
+        if self.current == before:
+            return None
+        self._since = self._mark  # what the epoch measured before the move is the old count's
+        return self.current
 
     def mark(self, stats) -> None:
-        """The counters a window starts from: as an iterator is built, after a review."""
+        """The counters a window starts from (`_mark`): as an iterator is built, after a
+        review. `_since`: those the next epoch's choice reads from (the iterator's
+        build, or the last move within the epoch)."""
         self._mark = (stats.iter_s, stats.steady_wait_s, stats.worker_busy_s,
                       stats.steady_batches)
 
-    def _decide(self, stats, limit: int, bound: str, epoch: int | None = None) -> int:
+    def _decide(self, stats, limit: int, bound: str, mark: tuple | None,
+                epoch: int | None = None) -> int:
+        """The count after the steady delivery since `mark` (the counters then)."""
         now = self.current
         epoch = self.epochs if epoch is None else epoch
         waited = busy = 0.0
         to, why = now, ""
         measured = False
-        if self._mark is not None:
-            iter_s, wait_s, busy_s = (stats.iter_s - self._mark[0],
-                                      stats.steady_wait_s - self._mark[1],
-                                      stats.worker_busy_s - self._mark[2])
-            batches = stats.steady_batches - self._mark[3]
+        if mark is not None:
+            iter_s, wait_s, busy_s = (stats.iter_s - mark[0], stats.steady_wait_s - mark[1],
+                                      stats.worker_busy_s - mark[2])
+            batches = stats.steady_batches - mark[3]
             # a counter that went back says nothing (the workers' counters of an iterator
             # left open across epochs join the sums only when it closes:
             # LoaderStats.detach_pool)
