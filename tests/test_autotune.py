@@ -177,7 +177,7 @@ def _counters(**gained):
     """LoaderStats' counters as autotune reads them (plain numbers), after an epoch that
     gained `gained` over the zero mark."""
     stats = SimpleNamespace(iter_s=0.0, steady_wait_s=0.0, worker_busy_s=0.0,
-                            steady_batches=0, batches=0, auto_moves=[])
+                            steady_batches=0, batches=0, startup_s=0.0, auto_moves=[])
     return stats, lambda: [setattr(stats, k, getattr(stats, k) + v) for k, v in gained.items()]
 
 
@@ -236,13 +236,19 @@ def test_a_review_reads_its_window_and_the_next_epoch_reads_since_the_last_move(
     stats.iter_s, stats.steady_wait_s, stats.worker_busy_s, stats.steady_batches = 2.5, 0.01, 0.25, 30
     assert auto.review(stats) == 3 and auto.review_at(stats) == 2.5 + autotune.WINDOW_S
     assert str(stats.auto_moves[-1]).startswith("auto: 4 → 3 processes")
-    # a window between the thresholds (waited 5%): no move, but a new window
+    # that move's restart took 1 s (stats.startup_s): the next window is 4 times that
+    stats.startup_s = 1.0
+    assert auto.review_at(stats) == 2.5 + autotune.RESTART_TIMES * 1.0
     stats.iter_s, stats.steady_wait_s, stats.steady_batches = 5.0, 0.135, 60
-    assert auto.review(stats) is None and auto.review_at(stats) == 5.0 + autotune.WINDOW_S
+    assert auto.review(stats) is None and auto.review_at(stats) == 6.5  # not yet: 2.5 s of 4
+    # a window between the thresholds (waited 5%): no move, and the next window is
+    # WINDOW_S again (no restart in it)
+    stats.iter_s, stats.steady_wait_s, stats.steady_batches = 6.5, 0.21, 70
+    assert auto.review(stats) is None and auto.review_at(stats) == 6.5 + autotune.WINDOW_S
     # the epoch ends 0.2 s and 5 batches later, main waiting half of that tail: the
-    # choice between epochs reads everything since the move (waited 8%: no move), not
+    # choice between epochs reads everything since the move (waited 7.6%: no move), not
     # the tail alone (50%: one process more)
-    stats.iter_s, stats.steady_wait_s, stats.steady_batches = 5.2, 0.235, 65
+    stats.iter_s, stats.steady_wait_s, stats.steady_batches = 6.7, 0.31, 75
     assert auto.processes(stats) == 3 and len(stats.auto_moves) == 2, stats.auto_moves
 
 
@@ -285,8 +291,10 @@ EPOCH_BATCHES = 120
 
 @pytest.fixture
 def short_windows(monkeypatch):
-    # a review every 0.3 s of steady delivery (2 s by default) keeps these epochs short
+    # a review every 0.3 s of steady delivery (2 s by default, and 4 times a restart's
+    # cost after a move) keeps these epochs short
     monkeypatch.setattr(autotune, "WINDOW_S", 0.3)
+    monkeypatch.setattr(autotune, "RESTART_TIMES", 0)
 
 
 def _paced(pace_file, persistent=False, context="fork", **extra):
@@ -317,10 +325,8 @@ def _paced_epochs(pace_file, phases):
 
 
 def _within(moves):
-    """The moves made inside an epoch (a move between epochs is at a multiple of its
-    batches), as (epoch, frm, to)."""
-    return [(m.epoch, m.frm, m.to) for m in moves[1:]
-            if m.frm != m.to and m.batch % EPOCH_BATCHES]
+    """The moves made inside an epoch, as (epoch, frm, to)."""
+    return [(m.epoch, m.frm, m.to) for m in moves if m.within and m.frm != m.to]
 
 
 @pytest.mark.parametrize("persistent,context", [(False, "fork"), (True, "forkserver")])

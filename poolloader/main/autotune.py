@@ -55,6 +55,7 @@ FILL = 0.75
 MEMORY_SHARE = 0.5  # of the memory available, as tf.data's AUTOTUNE RAM budget
 MIN_STEADY_BATCHES = 4  # an epoch shorter than that says nothing: no move
 WINDOW_S = 2.0  # within an epoch: the steady seconds a review reads (and the least between moves)
+RESTART_TIMES = 4  # ... and at least this many times what the last move's restart took
 
 
 def cpu_budget() -> int:
@@ -116,23 +117,28 @@ def memory_budget() -> int:
 @dataclass(frozen=True)
 class Move:
     """One choice of the process count (a change, or one more process refused for
-    memory), and what the epoch before it measured."""
+    memory), and what the epoch (or window) before it measured."""
     epoch: int          # the epoch that runs with `to` processes (1: the first)
     batch: int          # batches the loader had delivered then
     frm: int
     to: int
-    waited: float       # share of the last epoch's steady time next() waited
-    busy: float         # the last epoch's worker busy seconds over its steady seconds
+    waited: float       # share of the last epoch's (window's) steady time next() waited
+    busy: float         # its worker busy seconds over its steady seconds
     why: str
+    within: bool = False  # made inside the epoch, from a review window
+
+    @property
+    def _where(self) -> str:
+        return f"{'in' if self.within else 'before'} epoch {self.epoch}"
 
     def __str__(self) -> str:
         if not self.frm:
             return f"auto: {_processes(self.to)} from the first epoch ({self.why})"
         if self.frm == self.to:  # a move the rule wanted and the memory budget refused
-            return (f"auto: kept {_processes(self.to)} at batch {self.batch} (epoch "
-                    f"{self.epoch}), main waited {self.waited:.0%}: {self.why}")
-        return (f"auto: {self.frm} → {_processes(self.to)} at batch {self.batch} (epoch "
-                f"{self.epoch}), main waited {self.waited:.0%}, workers busy "
+            return (f"auto: kept {_processes(self.to)} at batch {self.batch} "
+                    f"({self._where}), main waited {self.waited:.0%}: {self.why}")
+        return (f"auto: {self.frm} → {_processes(self.to)} at batch {self.batch} "
+                f"({self._where}), main waited {self.waited:.0%}, workers busy "
                 f"{self.busy:.2f} processes' worth: {self.why}")
 
 
@@ -150,6 +156,7 @@ class AutoWorkers:
         self.epochs = 0
         self._mark: tuple | None = None  # the counters as the current window began
         self._since: tuple | None = None  # as the current epoch began, or its last move
+        self._moved = False  # the current window began with a move within the epoch
         self._per_process = 0  # USS per process the last epoch's workers had (bytes)
 
     def budget(self) -> tuple[int, str]:
@@ -194,25 +201,41 @@ class AutoWorkers:
             self.current = self._decide(stats, limit, bound, self._since)
         self.mark(stats)
         self._since = self._mark
+        self._moved = False  # an epoch's start-up is not a move's (a zygote's start, say)
         return self.current
 
     def review_at(self, stats) -> float:
         """The steady time (`stats.iter_s`) at which the next review within the epoch is
         due: the iterator compares one float per batch."""
-        return (stats.iter_s if self._mark is None else self._mark[0]) + WINDOW_S
+        if self._mark is None:
+            return stats.iter_s + WINDOW_S
+        return self._mark[0] + self._window(stats)
+
+    def _window(self, stats) -> float:
+        """The steady seconds the current window needs: WINDOW_S, or, in a window a move
+        began, RESTART_TIMES the start-up time since (the restart: stopping the workers,
+        starting the new ones, their first batch) where that is longer, so that restarts
+        take at most about a fifth of the time whatever they cost (spawn without a
+        zygote: seconds)."""
+        if not self._moved or self._mark is None:
+            return WINDOW_S
+        return max(WINDOW_S, RESTART_TIMES * (stats.startup_s - self._mark[4]))
 
     def review(self, stats, epochs_in: int = 0) -> int | None:
         """Within an epoch, once `review_at` has passed: the count to move to, or None
         (no move; too few batches yet). Decided from the window since the last review
         or move, which starts the next window. `epochs_in`: epochs a persistent
         iterator has run since it was built (its moves are recorded in the right one)."""
-        if self._mark is not None and stats.steady_batches - self._mark[3] < MIN_STEADY_BATCHES:
+        if self._mark is not None and (stats.steady_batches - self._mark[3] < MIN_STEADY_BATCHES
+                                       or stats.iter_s - self._mark[0] < self._window(stats)):
             return None
         limit, bound = self.budget()
         before = self.current
-        self.current = self._decide(stats, limit, bound, self._mark, self.epochs + epochs_in)
+        self.current = self._decide(stats, limit, bound, self._mark, self.epochs + epochs_in,
+                                    within=True)
         self.mark(stats)
-        if self.current == before:
+        self._moved = self.current != before
+        if not self._moved:
             return None
         self._since = self._mark  # what the epoch measured before the move is the old count's
         return self.current
@@ -222,10 +245,10 @@ class AutoWorkers:
         review. `_since`: those the next epoch's choice reads from (the iterator's
         build, or the last move within the epoch)."""
         self._mark = (stats.iter_s, stats.steady_wait_s, stats.worker_busy_s,
-                      stats.steady_batches)
+                      stats.steady_batches, stats.startup_s)
 
     def _decide(self, stats, limit: int, bound: str, mark: tuple | None,
-                epoch: int | None = None) -> int:
+                epoch: int | None = None, within: bool = False) -> int:
         """The count after the steady delivery since `mark` (the counters then)."""
         now = self.current
         epoch = self.epochs if epoch is None else epoch
@@ -253,10 +276,11 @@ class AutoWorkers:
                 to, why = now + 1, f"main waited {RAISE_AT:.0%} or more"
             elif not stats.auto_moves or stats.auto_moves[-1].why != refused:  # said once
                 stats.auto_moves.append(Move(epoch, stats.batches, now, now, waited,
-                                             busy, refused))
+                                             busy, refused, within))
         elif waited <= LOWER_AT and now > 1 and busy <= FILL * (now - 1):
             to, why = now - 1, (f"main waited {LOWER_AT:.0%} or less and "
                                 f"{_processes(now - 1)} would be at most {FILL:.0%} busy")
         if to != now:
-            stats.auto_moves.append(Move(epoch, stats.batches, now, to, waited, busy, why))
+            stats.auto_moves.append(Move(epoch, stats.batches, now, to, waited, busy, why,
+                                         within))
         return to

@@ -620,6 +620,7 @@ class PoolLoaderIter(TrackedNext, RequestScheduling, IteratorTeardown,
         or changed. Main's RNG is left as it was (the restart draws a base seed, which
         the state replaces, as loader._get_iterator does for a resumed epoch). A batch
         the caller holds keeps its slot (its lease outlives the old pool's close)."""
+        began = time.perf_counter()
         plan = ResumePlan(self._resume.state_dict(), loader)
         epoch = self._epoch  # persistent workers: the epochs this iterator has run
         caller_rng = torch.get_rng_state()
@@ -634,6 +635,9 @@ class PoolLoaderIter(TrackedNext, RequestScheduling, IteratorTeardown,
         finally:
             torch.set_rng_state(caller_rng)
         self._epoch = epoch
+        # the move's start-up counts from its start (stats.startup_s: autotune's window
+        # grows with what a restart costs)
+        self._epoch_started = began
         loader._resume_tracker = self._resume
 
     # -- teardown ---------------------------------------------------------------------
