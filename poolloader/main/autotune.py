@@ -33,7 +33,10 @@ iterator in place at a batch boundary, from its own resume state (PoolLoaderIter
 _move_processes: the requests in flight are drawn and fetched again by the new
 processes, as after load_state_dict()), so every batch stays DataLoader's. The window
 (and the first batch after a move counts as start-up, not steady time) keeps the
-count from moving faster than the processes can show what a move did. With
+count from moving faster than the processes can show what a move did; after a move
+it lasts at least RESTART_TIMES what the restart took, so restarts cost at most about
+a fifth of the time however slow they are. A decision between epochs reads the whole
+epoch since its last move, not only what came after the last window. With
 persistent_workers=True this is how the count moves at all after the first epoch.
 Where an iterator cannot restart in place exactly (PoolLoaderIter._moves_in_epoch:
 stateful=False, an IterableDataset or a datapipe, device=/pin_memory staging,
