@@ -297,6 +297,17 @@ class PoolLoader(DataLoader[T_co]):
             return processes
         return self.num_workers
 
+    def auto_workers(self):
+        """node_workers="auto"'s rule (poolloader.main.autotune.AutoWorkers), made by the
+        first iterator; None before, and without "auto". Its iterators review the count
+        within an epoch through it."""
+        return self._auto
+
+    def iterator_restarted(self, it) -> None:
+        """`it` (this loader's iterator) restarted in place with another process count
+        (an auto move within the epoch): state_dict() reads its new progress."""
+        self._resume_tracker = it.resume_tracker
+
     # -- mid-epoch resume (poolloader.resume.keys) -------------------------------------
     def check_worker_number_rationality(self) -> None:
         """DataLoader's warning when more worker processes run than CPUs are allowed,

@@ -236,7 +236,7 @@ class PoolLoaderIter(TrackedNext, RequestScheduling, IteratorTeardown,
             self._stats.processes = hosting
             # node_workers="auto": the steady time (stats.iter_s) of the next review of
             # the process count within the epoch; never where a move could not be exact
-            self._review_at = (loader._auto.review_at(self._stats)
+            self._review_at = (loader.auto_workers().review_at(self._stats)
                                if self._moves_in_epoch(loader) else math.inf)
             self._reset(loader, first_iter=True)
         except BaseException:
@@ -593,7 +593,7 @@ class PoolLoaderIter(TrackedNext, RequestScheduling, IteratorTeardown,
         no batch taken ahead of the caller (a device=/pin_memory stager holds one the
         state does not count yet), no other rank reading this pool (share_batches,
         node_pool)."""
-        return (getattr(loader, "_auto", None) is not None and loader.stateful
+        return (loader.auto_workers() is not None and loader.stateful
                 and self._node is None and self._share is None and self._stager is None
                 and self._dataset_kind == _DatasetKind.Map
                 and not isinstance(self._dataset, (IterDataPipe, MapDataPipe)))
@@ -602,7 +602,7 @@ class PoolLoaderIter(TrackedNext, RequestScheduling, IteratorTeardown,
         """A window of steady delivery has passed: the rule (autotune.AutoWorkers.review)
         reads it, and a move restarts the workers here."""
         loader = self._loader_ref()
-        auto = None if loader is None else loader._auto
+        auto = None if loader is None else loader.auto_workers()
         if auto is None:  # the loader is gone, or "auto" was taken back
             self._review_at = math.inf
             return
@@ -625,7 +625,7 @@ class PoolLoaderIter(TrackedNext, RequestScheduling, IteratorTeardown,
         epoch = self._epoch  # persistent workers: the epochs this iterator has run
         caller_rng = torch.get_rng_state()
         self._shutdown_workers()
-        loader._auto.workers_stopped(self._stats.last_memory)
+        loader.auto_workers().workers_stopped(self._stats.last_memory)
         try:
             with warnings.catch_warnings():
                 # what the first start warned of (pin_memory without an accelerator)
@@ -638,7 +638,7 @@ class PoolLoaderIter(TrackedNext, RequestScheduling, IteratorTeardown,
         # the move's start-up counts from its start (stats.startup_s: autotune's window
         # grows with what a restart costs)
         self._epoch_started = began
-        loader._resume_tracker = self._resume
+        loader.iterator_restarted(self)
 
     # -- teardown ---------------------------------------------------------------------
     def _fail(self, error: BaseException) -> None:
