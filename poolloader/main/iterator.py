@@ -304,7 +304,7 @@ class PoolLoaderIter(TrackedNext, RequestScheduling, IteratorTeardown,
         if resumed is not None:
             self._sampler_iter = resumed.sampler_iter
             self._num_yielded = resumed.yielded
-            self._IterableDataset_len_called = resumed.len_called  # type: ignore[assignment]
+            self._IterableDataset_len_called = resumed.len_called
             for _ in range(resumed.round_robin_done):
                 next(self._worker_queue_idx_cycle)
         for _ in range(self._prefetch_factor * self._num_workers):
