@@ -13,8 +13,10 @@ from torch.utils.data.dataloader import _DatasetKind
 
 from poolloader.resume.tracker import ResumeTracker
 
-# torch's own check (its datapipes enter record_function only while it is true)
-_profiler_enabled = torch._C._autograd._profiler_enabled
+# The one adapter over torch's profiler internals: torch has no public "is anything
+# recording" call. torch.autograd._profiler_enabled is the check torch's own datapipes
+# make before entering record_function; the CUPTI monitor module, once imported, keeps
+# its started monitor in _monitor_singleton (record_function feeds it annotations).
 _CUPTI_MONITOR = "torch.profiler._cupti_monitor"
 
 
@@ -23,7 +25,7 @@ def _annotated() -> bool:
     torch.autograd.profiler) is on, or torch's CUPTI monitor, which record_function
     feeds user annotations, has been started. Otherwise entering it only costs time
     (about 7 µs a call, a tenth of a ready batch's next())."""
-    if _profiler_enabled():
+    if torch.autograd._profiler_enabled():
         return True
     monitor = sys.modules.get(_CUPTI_MONITOR)
     return monitor is not None and getattr(monitor, "_monitor_singleton", None) is not None
