@@ -352,15 +352,16 @@ def return_tail(mapping, header: np.ndarray) -> None:
 def check_reply(header: np.ndarray, slot_size: int) -> tuple[int, int, int, int, int, int]:
     """Validate a published reply's header against the slot size; returns
     (data_len, small_off, small_len, skeleton_off, skeleton_len, skeleton_crc)."""
-    if int(header[F_MAGIC]) != SLOT_MAGIC:
-        raise SlotCorrupt(f"bad slot magic {int(header[F_MAGIC]):#x}")
-    data_len = int(header[F_DATA_LEN])
-    small_off, small_len = int(header[F_SMALL_OFF]), int(header[F_SMALL_LEN])
-    skel_off, skel_len = int(header[F_SKELETON_OFF]), int(header[F_SKELETON_LEN])
+    fields = header.tolist()  # one C call: Python ints, not one numpy scalar per field
+    if fields[F_MAGIC] != SLOT_MAGIC:
+        raise SlotCorrupt(f"bad slot magic {fields[F_MAGIC]:#x}")
+    data_len = fields[F_DATA_LEN]
+    small_off, small_len = fields[F_SMALL_OFF], fields[F_SMALL_LEN]
+    skel_off, skel_len = fields[F_SKELETON_OFF], fields[F_SKELETON_LEN]
     if (data_len % 64 or small_len % 64 or DATA_OFF + data_len > slot_size
             or small_off < DATA_OFF + data_len or small_len > SMALL_BATCH_BYTES + 64
             or skel_off < small_off + small_len or skel_off + skel_len > slot_size):
         raise SlotCorrupt(
             f"slot header out of bounds: data {data_len} bytes, small block {small_len} bytes "
             f"at {small_off}, skeleton {skel_len} bytes at {skel_off}, slot {slot_size} bytes")
-    return data_len, small_off, small_len, skel_off, skel_len, int(header[F_SKELETON_CRC])
+    return data_len, small_off, small_len, skel_off, skel_len, fields[F_SKELETON_CRC]
