@@ -440,8 +440,11 @@ class PoolLoaderIter(TrackedNext, RequestScheduling, IteratorTeardown,
             raise RuntimeError(self._dead_message())
         ledger = self._ledger
         # an interrupted call's delivery and replies are settled before any slot is reused
-        self._settle_delivery()
-        ledger.settle()
+        # (each is a no-op without its condition: checked here, no call per batch)
+        if self._delivering is not None:
+            self._settle_delivery()
+        if ledger.returned:
+            ledger.settle()
         if self._stats.iter_s >= self._review_at and not self._sampler_exhausted:
             self._review_processes()  # node_workers="auto": may restart the workers
             ledger = self._ledger

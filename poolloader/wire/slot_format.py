@@ -168,16 +168,22 @@ def write_request(mapping, header: np.ndarray, seq: int, epoch: int, worker: int
 
     An index larger than the request area goes at DATA_OFF; the caller has made the
     slot large enough (request_slot_bytes)."""
-    off = REQUEST_OFF if len(request) <= REQUEST_MAX else DATA_OFF
-    if off + len(request) > mapping.size:
-        raise ValueError(f"internal error: a request of {len(request)} bytes does not fit a slot "
+    n = len(request)
+    off = REQUEST_OFF if n <= REQUEST_MAX else DATA_OFF
+    if off + n > mapping.size:
+        raise ValueError(f"internal error: a request of {n} bytes does not fit a slot "
                          f"of {mapping.size} bytes")
-    memoryview(mapping)[off:off + len(request)] = request
-    header[F_REQUEST_OFF] = off
-    header[F_REQUEST_LEN] = len(request)
+    memoryview(mapping)[off:off + n] = request
     header[F_SHARED_SEED] = 0 if shared_seed is None else shared_seed
-    stamp(header, seq, epoch, worker)
-    header[F_STATUS] = ST_REQUESTED
+    # the fields from F_MAGIC to F_REQUEST_LEN (stamp's, the status, where the request
+    # is) in one C call; the worker reads none before the ring hands it the slot
+    _REQUEST_FIELDS.pack_into(mapping, 0, SLOT_MAGIC, ST_REQUESTED, seq, epoch, worker, off, n)
+
+
+# F_MAGIC, F_STATUS, F_SEQ, F_EPOCH, F_WORKER, F_REQUEST_OFF, F_REQUEST_LEN: the header's
+# first seven fields, in order, as header_view's uint64 (native order). Keep in sync
+# with the field list at the top.
+_REQUEST_FIELDS = struct.Struct("=7Q")
 
 
 def stamp(header: np.ndarray, seq: int, epoch: int, worker: int) -> None:
