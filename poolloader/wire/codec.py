@@ -338,8 +338,11 @@ class _SkeletonUnpickler(pickle.Unpickler):
     data region (the lease) and of the private small block. Resolves globals as pickle
     does: a skeleton that names torch's sparse rebuild gets _SparseSkeletonUnpickler."""
 
+    # one per batch: slots, not an instance dict
+    __slots__ = ("lease", "small", "small_buffer", "small_typed", "views")
+
     def __init__(self, file, lease: Lease, small: torch.Tensor | None, small_buffer=None):
-        super().__init__(file)
+        pickle.Unpickler.__init__(self, file)
         self.lease = lease        # the batch's bytes of the data region [DATA_OFF, data end)
         self.small = small        # private copy of the small block (uint8), or None
         self.small_buffer = small_buffer  # allocates it (page-locked with pin_memory), or None
@@ -414,6 +417,7 @@ class _SkeletonUnpickler(pickle.Unpickler):
 
 
 class _SparseSkeletonUnpickler(_SkeletonUnpickler):
+    __slots__ = ()
     find_class = _checked_find_class
 
 
