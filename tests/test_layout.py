@@ -67,6 +67,12 @@ ALLOWED_READS = {
     ("poolloader.cuda.gate", "getattr(loader, '_cuda_runtime')"):
         "the tests' CPU stand-in for CUDA (tests/cuda_standin.py) is set on a loader "
         "under this name: the one injection point, never set by poolloader",
+    ("poolloader.main.tracked", "torch.autograd._profiler_enabled"):
+        "whether a profiler records, checked before entering record_function on every "
+        "next(): torch's datapipes make the same check, and torch has no public name for it",
+    ("poolloader.main.tracked", "getattr(monitor, '_monitor_singleton')"):
+        "whether torch's CUPTI monitor was started (record_function feeds it annotations): "
+        "the module's own global, which its push_user_annotation reads; no public getter",
     ("poolloader.cuda.runtime", "torch._C"):
         "torch._C._cuda_hasPrimaryContext: whether a device already has a context, "
         "without creating one; torch has no public call for it",

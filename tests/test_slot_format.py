@@ -53,6 +53,10 @@ def _round_trip(mapping, header, index, int_list):
     assert (fmt.request_slot_bytes(request) == 0) == (len(request) <= fmt.REQUEST_MAX)
     fmt.write_request(mapping, header, seq=7, epoch=2, worker=1, request=request)
     assert fmt.request_epoch(header) == 2
+    # every field the worker reads and echoes (written in one struct call)
+    assert [int(header[f]) for f in (fmt.F_MAGIC, fmt.F_STATUS, fmt.F_SEQ, fmt.F_WORKER,
+                                     fmt.F_REQUEST_LEN, fmt.F_SHARED_SEED)] == \
+        [fmt.SLOT_MAGIC, fmt.ST_REQUESTED, 7, 1, len(request), 0]
     got = fmt.read_request(mapping, header)
     assert _same(got, index), (index, got)
     return request.startswith(fmt.INT64_REQUEST)

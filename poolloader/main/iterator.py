@@ -304,7 +304,7 @@ class PoolLoaderIter(TrackedNext, RequestScheduling, IteratorTeardown,
         if resumed is not None:
             self._sampler_iter = resumed.sampler_iter
             self._num_yielded = resumed.yielded
-            self._IterableDataset_len_called = resumed.len_called  # type: ignore[assignment]
+            self._IterableDataset_len_called = resumed.len_called
             for _ in range(resumed.round_robin_done):
                 next(self._worker_queue_idx_cycle)
         for _ in range(self._prefetch_factor * self._num_workers):
@@ -440,8 +440,11 @@ class PoolLoaderIter(TrackedNext, RequestScheduling, IteratorTeardown,
             raise RuntimeError(self._dead_message())
         ledger = self._ledger
         # an interrupted call's delivery and replies are settled before any slot is reused
-        self._settle_delivery()
-        ledger.settle()
+        # (each is a no-op without its condition: checked here, no call per batch)
+        if self._delivering is not None:
+            self._settle_delivery()
+        if ledger.returned:
+            ledger.settle()
         if self._stats.iter_s >= self._review_at and not self._sampler_exhausted:
             self._review_processes()  # node_workers="auto": may restart the workers
             ledger = self._ledger

@@ -309,16 +309,40 @@ def _rebuild_sparse_checked(layout, data):
                                           layout=layout, check_invariants=True)
 
 
+# The only global the unpicklers below resolve otherwise than pickle does. Its name is
+# in a pickle's bytes wherever the pickle names it (GLOBAL and STACK_GLOBAL take the
+# names as literal strings), so a pickle without these bytes is unpickled by pickle's
+# own C find_class, without a Python call per global.
+_SPARSE_REBUILD = b"_rebuild_sparse_tensor"
+
+
+def _checked_find_class(unpickler: pickle.Unpickler, module, name):
+    if name == "_rebuild_sparse_tensor" and module == "torch._utils":
+        return _rebuild_sparse_checked
+    return pickle.Unpickler.find_class(unpickler, module, name)
+
+
 class _FallbackUnpickler(pickle.Unpickler):
-    def find_class(self, module, name):
-        if name == "_rebuild_sparse_tensor" and module == "torch._utils":
-            return _rebuild_sparse_checked
-        return super().find_class(module, name)
+    find_class = _checked_find_class
 
 
-class _SkeletonUnpickler(_FallbackUnpickler):
+def _fallback_loads(blob: bytes):
+    """A tensor pickled whole (PID_PICKLED), with sparse tensors checked."""
+    if _SPARSE_REBUILD in blob:
+        return _FallbackUnpickler(io.BytesIO(blob)).load()
+    return pickle.loads(blob)
+
+
+class _SkeletonUnpickler(pickle.Unpickler):
+    """Unpickles a skeleton's structure; its persistent ids become views of the slot's
+    data region (the lease) and of the private small block. Resolves globals as pickle
+    does: a skeleton that names torch's sparse rebuild gets _SparseSkeletonUnpickler."""
+
+    # one per batch: slots, not an instance dict
+    __slots__ = ("lease", "small", "small_buffer", "small_typed", "views")
+
     def __init__(self, file, lease: Lease, small: torch.Tensor | None, small_buffer=None):
-        super().__init__(file)
+        pickle.Unpickler.__init__(self, file)
         self.lease = lease        # the batch's bytes of the data region [DATA_OFF, data end)
         self.small = small        # private copy of the small block (uint8), or None
         self.small_buffer = small_buffer  # allocates it (page-locked with pin_memory), or None
@@ -372,7 +396,7 @@ class _SkeletonUnpickler(_FallbackUnpickler):
             elif kind == PID_PICKLED:
                 _, blob = pid
                 if type(blob) is bytes:
-                    return _FallbackUnpickler(io.BytesIO(blob)).load()
+                    return _fallback_loads(blob)
         except SlotCorrupt:
             raise
         except (TypeError, ValueError, IndexError, RuntimeError, OverflowError) as e:
@@ -390,6 +414,11 @@ class _SkeletonUnpickler(_FallbackUnpickler):
                 or type(off) is not int or off < base):
             raise SlotCorrupt(f"invalid array dtype {dtype_str!r}, order {order!r} or shape {shape!r}")
         return np.ndarray(shape, dtype, buffer=buffer, offset=off - base, order=order)
+
+
+class _SparseSkeletonUnpickler(_SkeletonUnpickler):
+    __slots__ = ()
+    find_class = _checked_find_class
 
 
 def copy_small(mapping, small_off: int, small_len: int, small_buffer=None) -> torch.Tensor:
@@ -429,7 +458,8 @@ def decode(mapping, header: np.ndarray, registry: dict | None = None, on_release
         raise SlotCorrupt(f"slot skeleton checksum {crc:#010x} does not match the header's "
                           f"{expected:#010x} ({skel_len} bytes at {skel_off})")
     small = copy_small(mapping, small_off, small_len, small_buffer) if small_len else None
-    unpickler = _SkeletonUnpickler(io.BytesIO(skeleton), lease, small, small_buffer)
+    unpickler = (_SparseSkeletonUnpickler if _SPARSE_REBUILD in skeleton else _SkeletonUnpickler)(
+        io.BytesIO(skeleton), lease, small, small_buffer)
     try:
         payload = unpickler.load()
     except SlotCorrupt:

@@ -168,16 +168,22 @@ def write_request(mapping, header: np.ndarray, seq: int, epoch: int, worker: int
 
     An index larger than the request area goes at DATA_OFF; the caller has made the
     slot large enough (request_slot_bytes)."""
-    off = REQUEST_OFF if len(request) <= REQUEST_MAX else DATA_OFF
-    if off + len(request) > mapping.size:
-        raise ValueError(f"internal error: a request of {len(request)} bytes does not fit a slot "
+    n = len(request)
+    off = REQUEST_OFF if n <= REQUEST_MAX else DATA_OFF
+    if off + n > mapping.size:
+        raise ValueError(f"internal error: a request of {n} bytes does not fit a slot "
                          f"of {mapping.size} bytes")
-    memoryview(mapping)[off:off + len(request)] = request
-    header[F_REQUEST_OFF] = off
-    header[F_REQUEST_LEN] = len(request)
+    memoryview(mapping)[off:off + n] = request
     header[F_SHARED_SEED] = 0 if shared_seed is None else shared_seed
-    stamp(header, seq, epoch, worker)
-    header[F_STATUS] = ST_REQUESTED
+    # the fields from F_MAGIC to F_REQUEST_LEN (stamp's, the status, where the request
+    # is) in one C call; the worker reads none before the ring hands it the slot
+    _REQUEST_FIELDS.pack_into(mapping, 0, SLOT_MAGIC, ST_REQUESTED, seq, epoch, worker, off, n)
+
+
+# F_MAGIC, F_STATUS, F_SEQ, F_EPOCH, F_WORKER, F_REQUEST_OFF, F_REQUEST_LEN: the header's
+# first seven fields, in order, as header_view's uint64 (native order). Keep in sync
+# with the field list at the top.
+_REQUEST_FIELDS = struct.Struct("=7Q")
 
 
 def stamp(header: np.ndarray, seq: int, epoch: int, worker: int) -> None:
@@ -352,15 +358,16 @@ def return_tail(mapping, header: np.ndarray) -> None:
 def check_reply(header: np.ndarray, slot_size: int) -> tuple[int, int, int, int, int, int]:
     """Validate a published reply's header against the slot size; returns
     (data_len, small_off, small_len, skeleton_off, skeleton_len, skeleton_crc)."""
-    if int(header[F_MAGIC]) != SLOT_MAGIC:
-        raise SlotCorrupt(f"bad slot magic {int(header[F_MAGIC]):#x}")
-    data_len = int(header[F_DATA_LEN])
-    small_off, small_len = int(header[F_SMALL_OFF]), int(header[F_SMALL_LEN])
-    skel_off, skel_len = int(header[F_SKELETON_OFF]), int(header[F_SKELETON_LEN])
+    fields = header.tolist()  # one C call: Python ints, not one numpy scalar per field
+    if fields[F_MAGIC] != SLOT_MAGIC:
+        raise SlotCorrupt(f"bad slot magic {fields[F_MAGIC]:#x}")
+    data_len = fields[F_DATA_LEN]
+    small_off, small_len = fields[F_SMALL_OFF], fields[F_SMALL_LEN]
+    skel_off, skel_len = fields[F_SKELETON_OFF], fields[F_SKELETON_LEN]
     if (data_len % 64 or small_len % 64 or DATA_OFF + data_len > slot_size
             or small_off < DATA_OFF + data_len or small_len > SMALL_BATCH_BYTES + 64
             or skel_off < small_off + small_len or skel_off + skel_len > slot_size):
         raise SlotCorrupt(
             f"slot header out of bounds: data {data_len} bytes, small block {small_len} bytes "
             f"at {small_off}, skeleton {skel_len} bytes at {skel_off}, slot {slot_size} bytes")
-    return data_len, small_off, small_len, skel_off, skel_len, int(header[F_SKELETON_CRC])
+    return data_len, small_off, small_len, skel_off, skel_len, fields[F_SKELETON_CRC]
