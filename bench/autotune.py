@@ -134,7 +134,7 @@ def measure_shift(method: str, arm: str, args) -> dict:
                 if phase and not seen:
                     seen.append(counts[phase - 1][-1])
                 if not seen or seen[-1] != count:
-                    if phase and follow[phase] is None and seen:
+                    if phase and follow[phase] is None:
                         follow[phase] = time.perf_counter() - switched[phase]
                     seen.append(count)
                 if n == ends[phase] and phase + 1 < len(phases):
@@ -152,9 +152,8 @@ def measure_shift(method: str, arm: str, args) -> dict:
         raise common.BenchError(f"left behind after the measurement: {left}")
     if n != total:
         raise common.BenchError(f"{n} batches, expected {total}")
-    worker_end = switched[2] if len(phases) > 2 else end
     return {"batch_s": n / (end - switched[0]),
-            "settled_batch_s": args.shift_batches[1] / (worker_end - switched[1]),
+            "settled_batch_s": args.shift_batches[1] / (switched[2] - switched[1]),
             "counts": "/".join("".join(map(str, c)) for c in counts),
             **{f"follow_{i}_s": s for i, s in enumerate(follow) if s is not None}}
 
