@@ -100,7 +100,9 @@ class PoolLoader(DataLoader[T_co]):
                   CPUs and half the memory available (poolloader.main.autotune;
                   `stats.auto_moves` lists each choice). Within an epoch only for
                   a stateful map-style dataset without device= staging or
-                  share_batches; not with node_pool.
+                  share_batches. With node_pool, between the epochs of the rank
+                  that hosts the node only (it decides for every local rank; with
+                  persistent_workers the first epoch's count stays).
       node_pool   True: under torchrun with 2 or more local ranks, the loaders of
                   the local ranks (built in the same order, with the same dataset,
                   collate_fn, batch_size, drop_last, num_workers, node_workers)
@@ -205,7 +207,7 @@ class PoolLoader(DataLoader[T_co]):
         from poolloader.main import autotune
         # "auto" with num_workers=0: no worker process to count, as None (a runner's
         # option reaches loaders a framework rebuilds without workers too)
-        auto = node_workers == autotune.AUTO and group is None
+        auto = node_workers == autotune.AUTO
         if node_workers is not None and not auto and (isinstance(node_workers, bool)
                                                       or not isinstance(node_workers, int)
                                                       or not 1 <= node_workers <= most):
@@ -214,13 +216,10 @@ class PoolLoader(DataLoader[T_co]):
                 f"num_workers={self.num_workers} workers"
                 + (f" of each of the {group[1]} local ranks" if group else "")
                 + f" must be an int from 1 to {most}, "
-                + ("" if group else f"{autotune.AUTO!r} (chosen as it runs), ")
+                + f"{autotune.AUTO!r} (chosen as it runs), "
                 + "or None (one process per worker)"
                 + ("; with num_workers=0 no worker process runs at all: leave node_workers "
-                   "None" if self.num_workers == 0 else "")
-                + (f"; {autotune.AUTO!r} is not offered with node_pool yet (the node's "
-                   "processes serve every local rank at once): pass a count"
-                   if group and node_workers == autotune.AUTO else ""))
+                   "None" if self.num_workers == 0 else ""))
         # node_workers="auto": the process count of each epoch, made by the first
         # iterator (epoch_processes; poolloader.main.autotune)
         self._auto = None
@@ -286,13 +285,21 @@ class PoolLoader(DataLoader[T_co]):
         Called once per iterator, by its __init__."""
         from poolloader.main import autotune
         processes = self.node_workers
+        node = self._node
         if processes == autotune.AUTO:
             if self._auto is None:  # the first iterator (or "auto" set after __init__)
-                self._auto = autotune.AutoWorkers(self.num_workers)
+                self._auto = autotune.AutoWorkers(
+                    self.num_workers, node.local_world if node is not None else 1)
                 # each epoch's workers' memory, read as they stop: USS per process
                 self.stats.memory_at_shutdown = True
+            if node is not None and node.host_rank != node.local_rank:
+                # node_pool: the rank that hosts the node chooses; this one follows
+                return self._auto.follow(self.stats, node.refresh(), node.host_rank)
             self._auto.workers_stopped(self.stats.last_memory)
-            return self._auto.processes(self.stats)
+            count = self._auto.processes(self.stats)
+            if node is not None:
+                node.resize(count)  # the node's processes from this epoch on
+            return count
         if isinstance(processes, int) and not isinstance(processes, bool) and processes >= 1:
             return processes
         return self.num_workers

@@ -22,6 +22,11 @@ Cases:
         batch from the reorder buffer to _process_data; at most that batch is lost (as
         with DataLoader), the rest of the epoch must be DataLoader's.
   iterable  an IterableDataset that shards by get_worker_info() and rank.
+  auto  node_workers="auto" (POOLLOADER_AUTO_CPUS=2: 1 or 2 processes for 2 ranks × 2
+        workers), four epochs: two main-bound (each rank's step 50 ms, samples instant),
+        two worker-bound (samples 15 ms, no step); the host builds each epoch's
+        iterator first. Records whether every epoch is DataLoader's, the process count
+        and node pids of each epoch, the moves, and the host's children at the end.
   mismatch  rank 1 builds its loader with batch_size 5: records the error.
   dist_alone  (under POOLLOADER_TEST_DIST) rank 1 builds no loader; rank 0 records the
         error its node-pool loader's construction raised, and how long it took.
@@ -154,6 +159,18 @@ class Augmented(Dataset):
         return (torch.tensor([i, info.id, self.offset, random.randint(0, 10**6),
                               int(np.random.randint(0, 10**6))]),
                 torch.rand(3, 4))
+
+
+class Paced(Augmented):
+    """Augmented whose items take `pace` seconds (set in main between epochs: each
+    epoch's workers load the dataset as it is then)."""
+
+    pace = 0.0
+
+    def __getitem__(self, i):
+        if self.pace:
+            time.sleep(self.pace)
+        return super().__getitem__(i)
 
 
 class Slow(Augmented):
@@ -416,6 +433,53 @@ def main() -> dict:
         got = [[t.clone() for t in b] for b in pool]
         meet("done")  # the host's loader lives until every rank is done, as in training
         return {"equal": same([expected], [got]), "batches": len(got)}
+    if CASE == "auto":
+        phases = [(0.0, 0.05)] * 2 + [(0.015, 0.0)] * 2  # (item s, step s) per epoch
+
+        def run(pool: bool):
+            dataset = Paced(96)
+            sampler = DistributedSampler(dataset, num_replicas=WORLD, rank=RANK, shuffle=True,
+                                         seed=5)
+
+            def build():
+                return (PoolLoader if pool else DataLoader)(
+                    dataset, batch_size=BATCH, sampler=sampler, num_workers=WORKERS,
+                    worker_init_fn=init_fn, generator=torch.Generator().manual_seed(11 + RANK),
+                    **({"node_pool": True, "node_workers": "auto"} if pool else {}))
+            it_loader = host_first(build) if pool else build()
+            out, counts, pids = [], [], []
+            for epoch, (pace, step) in enumerate(phases):
+                dataset.pace = pace
+                sampler.set_epoch(epoch)
+                if pool and RANK != 0:
+                    read(f"started{epoch}", 0)  # the host chose this epoch's count first
+                it = iter(it_loader)
+                if pool and RANK == 0:
+                    note(f"started{epoch}", True)
+                batches = []
+                for batch in it:
+                    batches.append([t.clone() for t in batch])
+                    time.sleep(step)
+                del it
+                out.append(batches)
+                if pool:
+                    counts.append(it_loader.stats.processes)
+                    pids.append(list(it_loader._node.pids))
+            return it_loader, out, counts, pids
+        _, expected, _, _ = run(False)
+        pool, got, counts, pids = run(True)
+        meet("epochs")  # every rank's last iterator ended: the retired processes exit
+
+        def workers():  # the host's node processes (forked by its zygote, if it has one)
+            return sorted(c[1] if isinstance(c, list) else c for c in children())
+        deadline = time.monotonic() + 10
+        while RANK == 0 and workers() != sorted(pids[-1]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        result = {"equal": same(expected, got), "counts": counts, "pids": pids,
+                  "moves": [str(m) for m in pool.stats.auto_moves],
+                  "children": workers() if RANK == 0 else None}
+        meet("done")
+        return result
     if CASE == "mismatch":
         import warnings
         with warnings.catch_warnings(record=True) as caught:

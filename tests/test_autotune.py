@@ -168,9 +168,8 @@ def test_the_runner_takes_auto_for_every_loader_and_refuses_a_count(capsys):
             runner.pool_options(parse(args), environ=env)
         err = capsys.readouterr().err
         assert f"{where}: the runner takes node_workers=auto" in err and "node_workers=P" in err
-    with pytest.raises(SystemExit):
-        runner.pool_options(parse(["--node-workers", "auto", "--node-pool"]), environ={})
-    assert "not offered with the node pool" in capsys.readouterr().err
+    assert runner.pool_options(parse(["--node-workers", "auto", "--node-pool"]), environ={}) \
+        == {"node_workers": "auto", "node_pool": True}
 
 
 def _counters(**gained):

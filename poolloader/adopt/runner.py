@@ -173,10 +173,6 @@ def pool_options(parsed: argparse.Namespace, environ=os.environ) -> dict:
             options[name] = None if text.strip().lower() == "none" else "auto"
         else:
             options[name] = _value(text)
-    if options.get("node_workers") and options.get("node_pool"):
-        _parser().error(f"{sources['node_workers']}: node_workers=auto is not offered with the "
-                        f"node pool yet (its processes serve every local rank at once); leave "
-                        f"one of them out")
     for name, value in options.items():
         if name in hook.AUTO_ONLY_OPTIONS:
             continue  # checked above (PoolLoader(num_workers=0) takes no "auto")

@@ -27,6 +27,16 @@ The rule, with room between its two thresholds so that it never oscillates:
     away: a process's USS is mostly its logical workers', which move with them.
 The first epoch runs min(num_workers, CPUs) processes.
 
+Under node_pool the node's processes serve every local rank: the count is bounded by
+num_workers × local ranks (and the CPUs), the rank that hosts the node decides before
+each of its epochs from its own counters (its busy seconds counted once per local
+rank, as each makes as many batches), and NodeHost.resize replaces the processes: the
+old ones serve the iterators still attached to them (another rank finishing its epoch)
+and exit after; each other rank takes the new ones as its next iterator attaches
+(`follow` records them). There the count moves between epochs only (an iterator of
+every rank would have to restart at once within one), so with persistent_workers it
+stays the first epoch's.
+
 Within an epoch the same rule reads each window of at least WINDOW_S seconds and
 MIN_STEADY_BATCHES batches of steady delivery (`review`), and a move restarts the
 iterator in place at a batch boundary, from its own resume state (PoolLoaderIter.
@@ -153,8 +163,12 @@ class AutoWorkers:
     """The process count of one loader's node_workers="auto" (see the module docstring).
     `processes(stats)` is called as each iterator is built, by the main process only."""
 
-    def __init__(self, num_workers: int) -> None:
+    def __init__(self, num_workers: int, ranks: int = 1) -> None:
+        """`ranks`: the local ranks whose logical workers the processes host (node_pool:
+        the host rank decides for the node from its own counters, its busy seconds
+        counted `ranks` times, each rank making as many batches)."""
         self.num_workers = num_workers
+        self.ranks = ranks
         self.current = 0  # 0: no epoch ran yet
         self.epochs = 0
         self._mark: tuple | None = None  # the counters as the current window began
@@ -164,7 +178,9 @@ class AutoWorkers:
 
     def budget(self) -> tuple[int, str]:
         """(the most processes the CPUs allow, what bounds it)."""
-        limit, why = self.num_workers, f"num_workers={self.num_workers}"
+        limit, why = self.num_workers * self.ranks, f"num_workers={self.num_workers}"
+        if self.ranks > 1:
+            why += f" × {self.ranks} local ranks"
         cpus = cpu_budget()
         if cpus < limit:
             limit, why = cpus, f"{cpus} CPUs"
@@ -195,7 +211,7 @@ class AutoWorkers:
         self.epochs += 1
         limit, bound = self.budget()
         if not self.current:
-            self.current = min(self.num_workers, limit)
+            self.current = limit
             stats.auto_moves.append(Move(1, stats.batches, 0, self.current, 0.0, 0.0,
                                          f"min(num_workers, the budget: {bound})"))
         else:
@@ -206,6 +222,17 @@ class AutoWorkers:
         self._since = self._mark
         self._moved = False  # an epoch's start-up is not a move's (a zygote's start, say)
         return self.current
+
+    def follow(self, stats, processes: int, host_rank: int) -> int:
+        """node_pool on a rank that does not host: the count its host chose (`processes`,
+        read as this rank's iterator is built), recorded as this rank's moves too."""
+        self.epochs += 1
+        if processes != self.current:
+            stats.auto_moves.append(Move(self.epochs, stats.batches, self.current, processes,
+                                         0.0, 0.0, f"chosen by local rank {host_rank}, which "
+                                         "hosts the node pool"))
+            self.current = processes
+        return processes
 
     def review_at(self, stats) -> float:
         """The steady time (`stats.iter_s`) at which the next review within the epoch is
@@ -268,7 +295,7 @@ class AutoWorkers:
             measured = (batches >= MIN_STEADY_BATCHES and iter_s > 0 and wait_s >= 0
                         and busy_s >= 0)
             if measured:
-                waited, busy = min(1.0, wait_s / iter_s), busy_s / iter_s
+                waited, busy = min(1.0, wait_s / iter_s), busy_s * self.ranks / iter_s
         if now > limit:
             to, why = limit, f"over the budget ({bound})"
         elif not measured:

@@ -172,8 +172,6 @@ class PoolLoaderIter(TrackedNext, RequestScheduling, IteratorTeardown,
             # per logical worker, the doorbell its host waits on (node_workers), else None
             bells = self._pool.control.request_doorbells
             self._request_bells = [bells[hosted_by(i, hosts)] for i in range(n)] if hosts else None
-            if self._node is not None:
-                self._request_bells = self._node.bells(n)  # in the node segment
             inflight = self._ledger.inflight
             self._replies = supervise.Replies(self._pool.control, self._workers, self._timeout,
                                               self._stats, on_tick=self._pool.unlink_mapped,
@@ -223,8 +221,12 @@ class PoolLoaderIter(TrackedNext, RequestScheduling, IteratorTeardown,
                 if not hosts and self._node is None:
                     self._workers.append(start_without_pipes(ctx, worker_loop, (cfgs[i],), zygote))
             if self._node is not None:
-                self._node.attach(cfgs)
-                self._workers.extend(self._node.processes(n))
+                # the generation attached to (node_workers="auto" may have replaced the
+                # processes since `hosting` was read): its doorbells, its processes
+                gen = self._node.attach(cfgs)
+                self._request_bells = self._node.bells(n, gen)  # in the node segment
+                self._workers.extend(self._node.processes(n, gen))
+                hosting = len(gen.pids)
             elif hosts:
                 # self._workers[i] is logical worker i's process, one object per process
                 processes = [start_without_pipes(ctx, worker_loop, tuple(cfgs[h::hosts]), zygote)

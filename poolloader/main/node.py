@@ -38,6 +38,14 @@ the next one, so every logical worker fetches what its DataLoader worker fetches
 the same order. The node's memory is then the slots of the batches it makes, not ranks
 × num_workers × prefetch_factor. With in_order=False, where DataLoader picks a worker
 by the tasks each has out, every request goes at once, as without a node pool.
+
+node_workers="auto" (poolloader.main.autotune): the host's loader chooses the count
+before each of its epochs and `resize` replaces the processes, a *generation* at a
+time: the new set gets a segment of its own; the old set is told to retire, serves the
+iterators still attached to it and exits when they end (the host reaps it). A rank
+asks the host for the current generation as its iterator is built (`refresh`), and an
+attach that names a replaced one is answered with the current one, placed again. An
+iterator keeps the generation it attached to (NodeProcess holds it).
 """
 from __future__ import annotations
 
@@ -50,7 +58,7 @@ import time
 import weakref
 
 from poolloader.errors import WorkerDied, warn
-from poolloader.main import rendezvous, startup, supervise
+from poolloader.main import autotune, rendezvous, startup, supervise
 from poolloader.shm import fork
 from poolloader.shm.node import NodeSegment
 from poolloader.worker.node import node_loop
@@ -60,6 +68,7 @@ NODE_POOL_ENV = "POOLLOADER_NODE_POOL"
 # How long a host, once its own loader and iterators are gone, waits for the local ranks
 # still connected to let go of the node's processes before it stops them (seconds).
 LINGER_S = 10.0
+MOVED_TRIES = 5  # attaches that may find the generation replaced before one holds
 _iterators = itertools.count()  # iterators attached from this process (group keys)
 
 
@@ -99,29 +108,32 @@ def fingerprint(loader, processes: int) -> dict:
 
 class NodeProcess:
     """A physical process of the node as a rank's iterator sees it (its `_workers`
-    entries): alive while its lock and the host's are held (poolloader.shm.node)."""
+    entries): alive while its lock and the host's are held (poolloader.shm.node), in the
+    segment of its generation (node_workers="auto" replaces the processes between
+    epochs; an iterator keeps the ones it attached to)."""
 
     exitcode = None  # not this process's child: its exit status cannot be read here
 
-    def __init__(self, node, p: int, pid: int):
+    def __init__(self, node, gen, p: int, pid: int):
         self._node = node
+        self._gen = gen
         self.p = p
         self.pid = pid
 
     def is_alive(self) -> bool:
-        return self._node.host_alive() and self._node.segment.process_alive(self.p)
+        return self._node.host_alive(self._gen) and self._gen.segment.process_alive(self.p)
 
     def death(self, worker: int) -> str:
         """The WorkerDied message (supervise.check_alive) once is_alive() is False."""
         node = self._node
-        if not node.host_alive():
+        if not node.host_alive(self._gen):
             return (f"PoolLoader(node_pool=True): the node pool's host, local rank "
                     f"{node.host_rank} (pid {node.host_pid}), exited, and the worker "
                     f"processes it hosted (pids "
-                    f"{', '.join(map(str, node.pids))}) with it; logical worker {worker} of "
-                    f"this rank was waiting on process {self.p} (pid {self.pid}). The other "
+                    f"{', '.join(map(str, self._gen.pids))}) with it; logical worker {worker} "
+                    f"of this rank was waiting on process {self.p} (pid {self.pid}). The other "
                     f"ranks cannot go on loading: see local rank {node.host_rank}'s error.")
-        error = node.segment.error(self.p)  # the traceback it failed with, if it did
+        error = self._gen.segment.error(self.p)  # the traceback it failed with, if it did
         return (f"DataLoader worker (pid {self.pid}) exited unexpectedly. PoolLoader worker "
                 f"{worker} (pid {self.pid}: node pool process {self.p}, hosted by local rank "
                 f"{node.host_rank}, pid {node.host_pid}, for every local rank) "
@@ -130,24 +142,48 @@ class NodeProcess:
                    "num_workers=0 to see the error in the main process."))
 
 
-class _Node(rendezvous.Users):
-    """What host and client share: the segment, the processes, the placement."""
+class _Generation:
+    """One set of the node's physical processes: its segment (doorbells, locks, error
+    records), their pids, and the placement over them. node_workers="auto" replaces the
+    set with one of another count between epochs (NodeHost.resize): an iterator keeps
+    the generation it attached to until it ends."""
 
-    segment: NodeSegment
+    def __init__(self, node, number: int, segment: NodeSegment, pids: list[int]):
+        self.number = number
+        self.segment = segment
+        self.pids = pids
+        self.procs = [NodeProcess(node, self, p, pid) for p, pid in enumerate(pids)]
+
+    def place(self, local_rank: int, worker: int, num_workers: int) -> int:
+        """The process hosting local rank `local_rank`'s logical worker `worker`."""
+        turned = (worker + local_rank) % num_workers
+        return (local_rank * num_workers + turned) % len(self.pids)
+
+
+class _Node(rendezvous.Users):
+    """What host and client share: the current generation of processes, the placement."""
+
+    gen: _Generation
     host_pid: int
     host_rank: int  # the local rank that hosts (the first to build the loader)
-    pids: list[int]
     local_rank: int
 
-    def host_alive(self) -> bool:
+    def host_alive(self, gen: _Generation | None = None) -> bool:
         raise NotImplementedError
 
     local_world: int  # the local ranks (join)
 
+    @property
+    def segment(self) -> NodeSegment:
+        return self.gen.segment
+
+    @property
+    def pids(self) -> list[int]:
+        return self.gen.pids
+
     def place(self, worker: int, num_workers: int) -> int:
         """The process hosting this rank's logical worker `worker` (module docstring)."""
-        turned = (worker + self.local_rank) % num_workers
-        return (self.local_rank * num_workers + turned) % len(self.pids)
+        return self.gen.place(self.local_rank, worker, num_workers)
 
     def in_flight(self, num_workers: int, prefetch_factor: int, weight: int = 1) -> int:
         """The requests this rank keeps in flight (module docstring), making the batches
@@ -155,26 +191,40 @@ class _Node(rendezvous.Users):
         share = -(-len(self.pids) * prefetch_factor * weight // self.local_world)
         return max(1, min(num_workers * prefetch_factor, share))
 
-    def processes(self, num_workers: int) -> list[NodeProcess]:
+    def processes(self, num_workers: int, gen: _Generation | None = None) -> list[NodeProcess]:
         """One NodeProcess per logical worker (the same object for one process)."""
-        procs = self._procs
-        return [procs[self.place(i, num_workers)] for i in range(num_workers)]
+        gen = gen or self.gen
+        return [gen.procs[gen.place(self.local_rank, i, num_workers)] for i in range(num_workers)]
 
-    def bells(self, num_workers: int) -> list:
-        return [self.segment.bells[self.place(i, num_workers)] for i in range(num_workers)]
+    def bells(self, num_workers: int, gen: _Generation | None = None) -> list:
+        gen = gen or self.gen
+        return [gen.segment.bells[gen.place(self.local_rank, i, num_workers)]
+                for i in range(num_workers)]
 
-    def _made(self) -> None:
-        self._procs = [NodeProcess(self, p, pid) for p, pid in enumerate(self.pids)]
+    def refresh(self) -> int:
+        """The processes the node runs now (a client asks the host: node_workers="auto"
+        may have replaced them since its last iterator)."""
+        return len(self.pids)
 
-    def attach(self, cfgs) -> None:
-        """Hand this rank's logical workers (`cfgs`, in worker order) to their processes."""
-        placed: dict[int, list] = {}
-        for i, cfg in enumerate(cfgs):
-            placed.setdefault(self.place(i, len(cfgs)), []).append(cfg)
+    def attach(self, cfgs) -> _Generation:
+        """Hand this rank's logical workers (`cfgs`, in worker order) to the processes of
+        the current generation; returns it (its bells and processes are the iterator's).
+        A generation replaced meanwhile (the host moved the count) is placed again."""
         key = (os.getpid(), next(_iterators))
-        self._forward(key, {p: tuple(c) for p, c in placed.items()})
+        for _ in range(MOVED_TRIES):
+            gen = self.gen
+            placed: dict[int, list] = {}
+            for i, cfg in enumerate(cfgs):
+                placed.setdefault(gen.place(self.local_rank, i, len(cfgs)), []).append(cfg)
+            if self._forward(key, gen.number, {p: tuple(c) for p, c in placed.items()}):
+                return gen
+        raise RuntimeError(f"PoolLoader(node_pool=True): the node's processes were replaced "
+                           f"{MOVED_TRIES} times while local rank {self.local_rank} attached "
+                           "its workers")
 
-    def _forward(self, key, placed: dict) -> None:
+    def _forward(self, key, number: int, placed: dict) -> bool:
+        """Forward to generation `number`'s processes; False (and self.gen the current
+        one) where it is no longer current."""
         raise NotImplementedError
 
 
@@ -188,6 +238,7 @@ class NodeHost(_Node):
         self.local_rank = self.host_rank = local_rank
         self.host_pid = os.getpid()
         self._mine = mine
+        self._ctx, self._zygote, self._timeout = ctx, zygote, timeout
         # RLock: a collection inside _forward may run the loader's finaliser, so close()
         self._lock = threading.RLock()
         self._closed = False
@@ -198,19 +249,11 @@ class NodeHost(_Node):
         self._thread: threading.Thread | None = None
         self._pipes: list = []
         self._workers: list = []
+        # generations replaced by a move (resize), each (gen, pipes, workers): their
+        # processes serve the iterators attached to them and exit once those end
+        self._retired: list[tuple] = []
         try:
-            self.segment = NodeSegment.create(processes)
-            for p in range(processes):
-                with fork.creating():  # a child forked later closes the write end
-                    read, write = ctx.Pipe(duplex=False)
-                    fork.hold(write.fileno())
-                self._workers.append(start_without_pipes(ctx, node_loop,
-                                                         (p, self.segment.locator, read), zygote))
-                read.close()
-                self._pipes.append(write)
-            self.pids = [w.pid for w in self._workers]
-            self._made()
-            self._wait_started(timeout)
+            self.gen, self._pipes, self._workers = self._start(processes, 0)
             self._thread = threading.Thread(target=self._serve, name="poolloader-node-host",
                                             daemon=True)
             self._thread.start()
@@ -218,13 +261,36 @@ class NodeHost(_Node):
             self.close()
             raise
 
-    def host_alive(self) -> bool:
+    def _start(self, processes: int, number: int) -> tuple:
+        """Generation `number`: a segment and `processes` processes, started. Stopped
+        again if one fails to start."""
+        segment = NodeSegment.create(processes)
+        pipes: list = []
+        workers: list = []
+        try:
+            for p in range(processes):
+                with fork.creating():  # a child forked later closes the write end
+                    read, write = self._ctx.Pipe(duplex=False)
+                    fork.hold(write.fileno())
+                workers.append(start_without_pipes(self._ctx, node_loop,
+                                                   (p, segment.locator, read), self._zygote))
+                read.close()
+                pipes.append(write)
+            gen = _Generation(self, number, segment, [w.pid for w in workers])
+            self._wait_started(gen, workers, self._timeout)
+        except BaseException:
+            self._stop(segment, pipes, workers)
+            raise
+        return gen, pipes, workers
+
+    def host_alive(self, gen: _Generation | None = None) -> bool:
         return not self._closed  # this process: its own lock does not show to itself
 
-    def _wait_started(self, timeout: float) -> None:
+    @staticmethod
+    def _wait_started(gen: _Generation, workers: list, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        for p, worker in enumerate(self._workers):
-            while not self.segment.process_alive(p):
+        for p, worker in enumerate(workers):
+            while not gen.segment.process_alive(p):
                 if not worker.is_alive():
                     raise WorkerDied(f"PoolLoader(node_pool=True): node pool process {p} (pid "
                                      f"{worker.pid}) exited while starting, with "
@@ -236,13 +302,61 @@ class NodeHost(_Node):
                         "the limit)")
                 time.sleep(0.005)
 
-    def _forward(self, key, placed: dict) -> None:
+    def resize(self, processes: int) -> None:
+        """node_workers="auto" (called as the host's iterator is built): from now on
+        `processes` processes host the logical workers that attach. The current ones are
+        told to retire: they serve the iterators attached to them (another rank may still
+        be in the epoch before) and exit once those end; a rank learns of the new ones
+        as it attaches (refresh, or a reply that the generation moved)."""
+        with self._lock:
+            if self._closed or self._closing or processes == len(self.gen.pids):
+                return
+            gen, pipes, workers = self._start(processes, self.gen.number + 1)
+            old = (self.gen, self._pipes, self._workers)
+            self.gen, self._pipes, self._workers = gen, pipes, workers
+            for p, pipe in enumerate(old[1]):
+                try:
+                    pipe.send(("retire",))
+                except OSError:
+                    pass  # it died: the ranks on it say so
+                old[0].segment.bells[p].ring()
+            self._retired.append(old)
+        self._reap()
+
+    def _reap(self) -> None:
+        """Close the retired generations whose processes have all exited."""
+        with self._lock:
+            done = [r for r in self._retired if not any(w.is_alive() for w in r[2])]
+            self._retired = [r for r in self._retired if r not in done]
+        for gen, pipes, workers in done:
+            self._stop(gen.segment, pipes, workers)
+
+    @staticmethod
+    def _stop(segment, pipes: list, workers: list) -> None:
+        """Tell a generation's processes to stop, close its segment, stop them (the
+        ladder, for any that does not exit)."""
+        for pipe in pipes:
+            try:
+                pipe.send(None)
+            except OSError:
+                pass
+            fork.release(pipe.fileno(), lambda _fd, pipe=pipe: pipe.close())
+        for bell in segment.bells if segment is not None else ():
+            bell.ring()
+        if segment is not None:
+            segment.close()
+        supervise.stop(workers)
+
+    def _forward(self, key, number: int, placed: dict) -> bool:
         with self._lock:
             if self._closed:
                 raise RuntimeError("PoolLoader(node_pool=True): this node pool was closed")
+            if number != self.gen.number:
+                return False
             for p, cfgs in placed.items():
                 self._pipes[p].send(("attach", key, cfgs))
-                self.segment.bells[p].ring()
+                self.gen.segment.bells[p].ring()
+            return True
 
     def _serve(self) -> None:
         """The listener thread: accept ranks, check them, forward their attachments."""
@@ -252,6 +366,8 @@ class NodeHost(_Node):
         selector.register(listener, selectors.EVENT_READ)
         try:
             while not self._closed:
+                if self._retired:
+                    self._reap()
                 for key, _ in selector.select(timeout=0.25):
                     sock = key.fileobj
                     if sock is listener:
@@ -293,15 +409,22 @@ class NodeHost(_Node):
             elif difference is not None:
                 rendezvous.send(sock, ("refused", difference))
             else:
-                rendezvous.send(sock, ("welcome", self.segment.locator, self.pids,
-                                       self.host_rank))
+                rendezvous.send(sock, ("welcome", self.host_rank) + self._current())
+        elif message[0] == "current":
+            rendezvous.send(sock, ("generation",) + self._current())
         elif message[0] == "attach":
             try:
-                self._forward(message[1], message[2])
+                attached = self._forward(message[2], message[1], message[3])
             except Exception as e:
                 rendezvous.send(sock, ("failed", f"{type(e).__name__}: {e}"))
             else:
-                rendezvous.send(sock, ("attached",))
+                rendezvous.send(sock, ("attached",) if attached
+                                else ("moved",) + self._current())
+
+    def _current(self) -> tuple:
+        """What a client needs to attach to the current generation."""
+        gen = self.gen
+        return gen.number, gen.segment.locator, gen.pids
 
     def close(self) -> None:
         """Stop everything, once the ranks connected let go (bounded by LINGER_S; a rank
@@ -319,22 +442,17 @@ class NodeHost(_Node):
             if self._closed:
                 return
             self._closed = True
-            for pipe in self._pipes:
-                try:
-                    pipe.send(None)
-                except OSError:
-                    pass
-                fork.release(pipe.fileno(), lambda _fd, pipe=pipe: pipe.close())
-            segment = getattr(self, "segment", None)
-            for bell in segment.bells if segment is not None else ():
-                bell.ring()
-        # the host's lock first: a rank that then finds a process gone says the host left
-        if segment is not None:
-            segment.close()
+            gen = getattr(self, "gen", None)
+            stopping = [(gen.segment if gen is not None else None, self._pipes, self._workers)]
+            stopping += [(g.segment, pipes, workers) for g, pipes, workers in self._retired]
+            self._retired = []
         if listening:
             self._thread.join(2.0)  # type: ignore[union-attr]
         rendezvous.close_socket(self._listener)
-        supervise.stop(self._workers)
+        # each segment closes (the host's lock goes) before its processes are stopped: a
+        # rank that then finds a process gone says the host left
+        for segment, pipes, workers in stopping:
+            self._stop(segment, pipes, workers)
 
 
 class NodeClient(_Node):
@@ -344,47 +462,77 @@ class NodeClient(_Node):
     def __init__(self, local_rank: int, sock: socket.socket, answer):
         self.local_rank = local_rank
         self._sock: socket.socket | None = sock
+        self._old: list[_Generation] = []  # replaced generations an iterator may still use
         try:
-            _, locator, self.pids, self.host_rank = answer
+            self.host_rank = answer[1]
             sock.settimeout(30.0)
-            self.segment = NodeSegment.attach(locator)
-            self.host_pid = locator[0]
-            self._made()
+            self.host_pid = answer[3][0]
+            self._adopt(answer[2:])
         except BaseException:
             self.close()
             raise
 
-    def host_alive(self) -> bool:
-        return self.segment.host_alive()
+    def _adopt(self, current) -> None:
+        """Attach generation `current` ((number, locator, pids) from the host) as the
+        current one; close the replaced ones whose processes have all exited."""
+        number, locator, pids = current
+        old = getattr(self, "gen", None)
+        if old is not None and old.number == number:
+            return
+        self.gen = _Generation(self, number, NodeSegment.attach(locator), pids)
+        if old is not None:
+            self._old.append(old)
+        for gen in [g for g in self._old if not any(
+                g.segment.process_alive(p) for p in range(len(g.pids)))]:
+            self._old.remove(gen)
+            gen.segment.close()
 
-    def _forward(self, key, placed: dict) -> None:
+    def host_alive(self, gen: _Generation | None = None) -> bool:
+        return (gen or self.gen).segment.host_alive()
+
+    def _ask(self, message):
         if self._sock is None:
             raise RuntimeError("PoolLoader(node_pool=True): this node pool was closed")
         try:  # bounded by the socket's timeout
-            rendezvous.send(self._sock, ("attach", key, placed))
-            answer = rendezvous.recv(self._sock)
+            rendezvous.send(self._sock, message)
+            return rendezvous.recv(self._sock)
         except (OSError, ConnectionError) as e:
             raise WorkerDied(f"PoolLoader(node_pool=True): the node pool's host, local rank "
                              f"{self.host_rank} (pid {self.host_pid}), cannot be reached: "
                              f"{e}") from None
+
+    def refresh(self) -> int:
+        answer = self._ask(("current",))
+        self._adopt(answer[1:])
+        return len(self.pids)
+
+    def _forward(self, key, number: int, placed: dict) -> bool:
+        answer = self._ask(("attach", number, key, placed))
+        if answer[0] == "moved":
+            self._adopt(answer[1:])
+            return False
         if answer[0] != "attached":
             raise RuntimeError(f"PoolLoader(node_pool=True): local rank {self.host_rank} could "
                                f"not hand this rank's workers to the node's processes: "
                                f"{answer[1]}")
+        return True
 
     def close(self) -> None:
         sock, self._sock = self._sock, None
         rendezvous.close_socket(sock)
-        segment = getattr(self, "segment", None)
-        if segment is not None:
-            segment.close()
+        gen = getattr(self, "gen", None)
+        for g in self._old + ([gen] if gen is not None else []):
+            g.segment.close()
+        self._old = []
 
 
-def join(loader, ctx, processes: int, group: rendezvous.LocalGroup) -> _Node | None:
+def join(loader, ctx, processes, group: rendezvous.LocalGroup) -> _Node | None:
     """The node pool of `loader`: the first local rank to build a loader at this place
     in the program (rendezvous.build_site) hosts it, the others that build one there
     join it; closed when the loader is collected, or at exit. None where the loader
-    the host built there differs (a warning says how): then this one is ordinary."""
+    the host built there differs (a warning says how): then this one is ordinary.
+    `processes`: a count, or "auto" (poolloader.main.autotune: the host starts
+    min(num_workers × local ranks, CPUs) and moves the count between its epochs)."""
     from poolloader.shm.backends import memfd
 
     backend = loader.shm_backend or os.environ.get("POOLLOADER_SHM_BACKEND")
@@ -407,6 +555,8 @@ def join(loader, ctx, processes: int, group: rendezvous.LocalGroup) -> _Node | N
     while True:
         hosting, sock = rendezvous.meet(name, deadline, what)
         if hosting:
+            if processes == autotune.AUTO:  # AutoWorkers(num_workers, size) starts there
+                processes = min(loader.num_workers * size, autotune.cpu_budget())
             node = NodeHost(ctx, processes, mine, sock, timeout, rank, startup.zygote_for(
                 ctx, getattr(loader, "zygote", None), loader.dataset, loader.collate_fn,
                 loader.worker_init_fn))

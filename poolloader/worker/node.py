@@ -5,7 +5,8 @@ logical workers of every rank's iterators: logical worker i of local rank r is h
 by process (r × num_workers + (i + r) % num_workers) % P (poolloader.main.node). A
 rank's iterator attaches a *group* (its pool and its logical workers' configs, which
 the host forwards through this process's command pipe) and detaches it by closing its
-request rings, or by dying (its pool's owner lock goes). Each logical worker is the
+request rings, or by dying (its pool's owner lock goes). A process the host retired
+(node_workers="auto" moved the count) exits once its last group is gone. Each logical worker is the
 LogicalWorker of poolloader.worker.loop, built here from the rank's own pickled start
 payload (startup.load: its own copy of the rank's dataset, worker_init_fn and
 collate_fn), so its batches are its rank's DataLoader worker's.
@@ -189,7 +190,9 @@ class _Served:
 def node_loop(p: int, node_locator: tuple, commands) -> None:
     """Physical process `p`: attach the node segment, hold this process's lock, then
     serve (module docstring). `commands`: the read end of a pipe from the host,
-    carrying ("attach", key, configs); None or EOF: stop."""
+    carrying ("attach", key, configs); ("retire",): another generation of processes
+    replaced this one's (node_workers="auto"), so exit once the groups attached have
+    all ended; None or EOF: stop."""
     freeze_inherited()
     prepare_process(p)
     node = NodeSegment.attach(node_locator)
@@ -199,12 +202,18 @@ def node_loop(p: int, node_locator: tuple, commands) -> None:
     served = _Served()
     checked = time.monotonic()
     idle_since = time.perf_counter_ns()
+    retiring = False  # replaced (node_workers="auto"): exit once no group is attached
     try:
         while True:
             while (command := _command(commands)) is not False:
                 if command is None:
                     return
-                served.attach(command[1], command[2])
+                if command[0] == "retire":
+                    retiring = True
+                else:
+                    served.attach(command[1], command[2])
+            if retiring and not served.groups:
+                return
             now = time.monotonic()
             if now - checked >= WORKER_TICK:
                 checked = now
@@ -242,8 +251,8 @@ def node_loop(p: int, node_locator: tuple, commands) -> None:
 
 
 def _command(commands):
-    """The host's next command: ("attach", key, configs); None to stop (or the host's
-    end is gone); False if none is waiting."""
+    """The host's next command: ("attach", key, configs) or ("retire",); None to stop
+    (or the host's end is gone); False if none is waiting."""
     try:
         return commands.recv() if commands.poll(0) else False
     except (EOFError, OSError):
