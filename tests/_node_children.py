@@ -27,6 +27,8 @@ Cases:
         two worker-bound (samples 15 ms, no step); the host builds each epoch's
         iterator first. Records whether every epoch is DataLoader's, the process count
         and node pids of each epoch, the moves, and the host's children at the end.
+        ARG "client_first": rank 1 builds the last epoch's iterator before the host
+        moves; "stale": after, with the generation it knew before (its refresh skipped).
   mismatch  rank 1 builds its loader with batch_size 5: records the error.
   dist_alone  (under POOLLOADER_TEST_DIST) rank 1 builds no loader; rank 0 records the
         error its node-pool loader's construction raised, and how long it took.
@@ -451,10 +453,19 @@ def main() -> dict:
             for epoch, (pace, step) in enumerate(phases):
                 dataset.pace = pace
                 sampler.set_epoch(epoch)
-                if pool and RANK != 0:
-                    read(f"started{epoch}", 0)  # the host chose this epoch's count first
+                # the last epoch (after the move up): "client_first": rank 1 attaches
+                # before the host moves, so the replaced process serves it that epoch;
+                # "stale": rank 1 attaches after, naming the generation it last knew (as
+                # when the host moves between its refresh and its attach)
+                first = 1 if ARG == "client_first" and epoch == len(phases) - 1 else 0
+                node = it_loader._node if pool else None
+                if node is not None and RANK == 1 and ARG == "stale" \
+                        and epoch == len(phases) - 1:
+                    node.refresh = lambda node=node: len(node.pids)
+                if pool and RANK != first:
+                    read(f"started{epoch}", first)  # that rank built its iterator first
                 it = iter(it_loader)
-                if pool and RANK == 0:
+                if pool and RANK == first:
                     note(f"started{epoch}", True)
                 batches = []
                 for batch in it:

@@ -119,12 +119,18 @@ def test_each_rank_gets_its_own_dataloaders_batches_from_the_nodes_processes(tmp
     assert len(host["node_pids"]) == processes
 
 
-def test_auto_moves_the_node_s_processes_between_the_host_s_epochs(tmp_path):
+@pytest.mark.parametrize("arg", ["", "client_first", "stale"])
+def test_auto_moves_the_node_s_processes_between_the_host_s_epochs(tmp_path, arg):
     """node_workers="auto" under node_pool, 2 ranks × 2 workers, a budget of 2 CPUs:
     main-bound epochs take the node down to 1 process, worker-bound ones back to 2; the
     host decides, the other rank's next iterator takes the new processes, the replaced
-    ones exit once no rank uses them, and every epoch stays each rank's DataLoader's."""
-    results, codes, logs = _ranks(tmp_path, "auto", 2, env={"POOLLOADER_AUTO_CPUS": "2"})
+    ones exit once no rank uses them, and every epoch stays each rank's DataLoader's.
+    "client_first": in the last epoch rank 1 attaches before the host moves, and the
+    replaced process serves it to the end of that epoch. "stale": rank 1 attaches after
+    the move naming the generation it knew, is told of the new one and places its
+    workers there."""
+    results, codes, logs = _ranks(tmp_path, "auto", 2, arg,
+                                  env={"POOLLOADER_AUTO_CPUS": "2"})
     assert codes == [0, 0], logs
     host, client = results
     for rank, r in enumerate(results):
@@ -132,10 +138,15 @@ def test_auto_moves_the_node_s_processes_between_the_host_s_epochs(tmp_path):
     # 2 from the start; 1 by the first worker-bound epoch (the first or the second
     # main-bound epoch moves it down); 2 again after one worker-bound epoch
     assert host["counts"][0] == 2 and host["counts"][2] == 1 and host["counts"][3] == 2, host
-    assert client["counts"] == host["counts"] and client["pids"] == host["pids"], (host, client)
     assert [len(p) for p in host["pids"]] == host["counts"]
     assert "main waited 10% or more" in host["moves"][-1], host["moves"]
-    assert "chosen by local rank 0" in client["moves"][-1], client["moves"]
+    if arg == "client_first":  # the last epoch on the replaced process
+        assert client["counts"] == host["counts"][:3] + [1], (host, client)
+        assert client["pids"][:3] == host["pids"][:3] and client["pids"][3] == host["pids"][2]
+    else:
+        assert client["counts"] == host["counts"] and client["pids"] == host["pids"], \
+            (host, client)
+        assert "chosen by local rank 0" in client["moves"][-1], client["moves"]
     # the replaced processes exited: the host's children are the last epoch's
     assert sorted(host["children"]) == sorted(host["pids"][-1]), host
 

@@ -213,7 +213,9 @@ class AutoWorkers:
         if not self.current:
             self.current = limit
             stats.auto_moves.append(Move(1, stats.batches, 0, self.current, 0.0, 0.0,
-                                         f"min(num_workers, the budget: {bound})"))
+                                         f"min(num_workers"
+                                         f"{' × local ranks' if self.ranks > 1 else ''}, "
+                                         f"the budget: {bound})"))
         else:
             # from the whole epoch (since its last move): a review's window may have
             # ended a few batches before the epoch did
