@@ -297,8 +297,11 @@ class PoolLoader(DataLoader[T_co]):
                 return self._auto.follow(self.stats, node.refresh(), node.host_rank)
             self._auto.workers_stopped(self.stats.last_memory)
             count = self._auto.processes(self.stats)
-            if node is not None:
-                node.resize(count)  # the node's processes from this epoch on
+            if node is not None:  # the node's processes from this epoch on
+                failed = node.resize(count)
+                if failed is not None:  # the current ones go on serving
+                    count = self._auto.kept(self.stats, len(node.pids),
+                                            f"the new processes did not start: {failed}")
             return count
         if isinstance(processes, int) and not isinstance(processes, bool) and processes >= 1:
             return processes

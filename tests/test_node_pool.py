@@ -147,6 +147,7 @@ def test_auto_moves_the_node_s_processes_between_the_host_s_epochs(tmp_path, arg
         assert client["counts"] == host["counts"] and client["pids"] == host["pids"], \
             (host, client)
         assert "chosen by local rank 0" in client["moves"][-1], client["moves"]
+        assert client["moves"][-1].startswith("auto: 1 → 2 processes"), client["moves"]
     # the replaced processes exited: the host's children are the last epoch's
     assert sorted(host["children"]) == sorted(host["pids"][-1]), host
 
@@ -326,3 +327,31 @@ def test_bad_values_are_refused(monkeypatch):
     del alone
     gc.collect()
     assert time.monotonic() - began < 1.0
+
+
+def test_the_node_segment_holds_every_process_s_error_record_and_drops_locks_at_close():
+    """The segment's size covers the error record of its last process (a P=2 segment
+    once ended at the first record, so process 1's death raised TypeError instead of
+    WorkerDied), and close() drops the lock its side holds at once, though the mapping
+    lives on (a rank whose host let go must see it within a tick, not at collection)."""
+    from poolloader.shm.node import ERROR_BYTES, NodeSegment
+
+    host = NodeSegment.create(3)
+    rank = process = None
+    try:
+        rank = NodeSegment.attach(host.locator)
+        process = NodeSegment.attach(host.locator)
+        for p in range(3):
+            text = f"process {p} failed\n" + "x" * (2 * ERROR_BYTES)
+            process.record_error(p, text)
+            assert rank.error(p) == text[-(ERROR_BYTES - 4):], p
+        process.hold_process_lock(2)
+        assert rank.host_alive() and rank.process_alive(2) and not rank.process_alive(1)
+        process.close()
+        assert not rank.process_alive(2)
+        host.close()
+        assert not rank.host_alive()
+    finally:
+        for segment in (process, rank, host):
+            if segment is not None:
+                segment.close()

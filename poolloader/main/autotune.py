@@ -25,7 +25,8 @@ The rule, with room between its two thresholds so that it never oscillates:
     is over half the memory available (the memory cgroup's limit less its working set,
     else MemAvailable: poolloader.shm.backends.memfd). Memory never takes a process
     away: a process's USS is mostly its logical workers', which move with them.
-The first epoch runs min(num_workers, CPUs) processes.
+The first epoch runs min(num_workers, CPUs) processes (under node_pool, below,
+min(num_workers × local ranks, CPUs)).
 
 Under node_pool the node's processes serve every local rank: the count is bounded by
 num_workers × local ranks (and the CPUs), the rank that hosts the node decides before
@@ -139,6 +140,7 @@ class Move:
     busy: float         # its worker busy seconds over its steady seconds
     why: str
     within: bool = False  # made inside the epoch, from a review window
+    host: int | None = None  # node_pool: the local rank that chose it, on the others
 
     @property
     def _where(self) -> str:
@@ -147,6 +149,9 @@ class Move:
     def __str__(self) -> str:
         if not self.frm:
             return f"auto: {_processes(self.to)} from the first epoch ({self.why})"
+        if self.host is not None:
+            return (f"auto: {self.frm} → {_processes(self.to)} at batch {self.batch} "
+                    f"({self._where}): {self.why}")
         if self.frm == self.to:  # a move the rule wanted and the memory budget refused
             return (f"auto: kept {_processes(self.to)} at batch {self.batch} "
                     f"({self._where}), main waited {self.waited:.0%}: {self.why}")
@@ -225,15 +230,29 @@ class AutoWorkers:
         self._moved = False  # an epoch's start-up is not a move's (a zygote's start, say)
         return self.current
 
-    def follow(self, stats, processes: int, host_rank: int) -> int:
+    def follow(self, stats, processes: int, host_rank: int, attached: bool = False) -> int:
         """node_pool on a rank that does not host: the count its host chose (`processes`,
-        read as this rank's iterator is built), recorded as this rank's moves too."""
-        self.epochs += 1
+        read as this rank's iterator is built; `attached`: the one its attach found
+        instead, the host having moved in between), recorded as this rank's moves too."""
+        if not attached:
+            self.epochs += 1
         if processes != self.current:
             stats.auto_moves.append(Move(self.epochs, stats.batches, self.current, processes,
                                          0.0, 0.0, f"chosen by local rank {host_rank}, which "
-                                         "hosts the node pool"))
+                                         "hosts the node pool", host=host_rank))
             self.current = processes
+        return processes
+
+    def kept(self, stats, processes: int, why: str) -> int:
+        """node_pool on the host: the move just decided did not happen (`why`); the
+        `processes` running go on, and the next decision starts from them."""
+        last = stats.auto_moves[-1] if stats.auto_moves else None
+        stats.auto_moves.append(Move(self.epochs, stats.batches, processes, processes,
+                                     last.waited if last else 0.0, last.busy if last else 0.0,
+                                     why))
+        self.current = processes
+        from poolloader.errors import warn
+        warn(f"PoolLoader(node_workers='auto'): {why}; {_processes(processes)} go on")
         return processes
 
     def review_at(self, stats) -> float:

@@ -226,6 +226,10 @@ class PoolLoaderIter(TrackedNext, RequestScheduling, IteratorTeardown,
                 gen = self._node.attach(cfgs)
                 self._request_bells = self._node.bells(n, gen)  # in the node segment
                 self._workers.extend(self._node.processes(n, gen))
+                auto = loader.auto_workers()
+                if (len(gen.pids) != hosting and auto is not None  # moved as it attached
+                        and self._node.host_rank != self._node.local_rank):
+                    auto.follow(self._stats, len(gen.pids), self._node.host_rank, attached=True)
                 hosting = len(gen.pids)
             elif hosts:
                 # self._workers[i] is logical worker i's process, one object per process

@@ -252,6 +252,7 @@ class NodeHost(_Node):
         # generations replaced by a move (resize), each (gen, pipes, workers): their
         # processes serve the iterators attached to them and exit once those end
         self._retired: list[tuple] = []
+        self._resize_lock = threading.Lock()  # one resize at a time (outside self._lock)
         try:
             self.gen, self._pipes, self._workers = self._start(processes, 0)
             self._thread = threading.Thread(target=self._serve, name="poolloader-node-host",
@@ -272,10 +273,12 @@ class NodeHost(_Node):
                 with fork.creating():  # a child forked later closes the write end
                     read, write = self._ctx.Pipe(duplex=False)
                     fork.hold(write.fileno())
-                workers.append(start_without_pipes(self._ctx, node_loop,
-                                                   (p, segment.locator, read), self._zygote))
-                read.close()
                 pipes.append(write)
+                try:
+                    workers.append(start_without_pipes(self._ctx, node_loop,
+                                                       (p, segment.locator, read), self._zygote))
+                finally:
+                    read.close()
             gen = _Generation(self, number, segment, [w.pid for w in workers])
             self._wait_started(gen, workers, self._timeout)
         except BaseException:
@@ -302,26 +305,40 @@ class NodeHost(_Node):
                         "the limit)")
                 time.sleep(0.005)
 
-    def resize(self, processes: int) -> None:
+    def resize(self, processes: int) -> str | None:
         """node_workers="auto" (called as the host's iterator is built): from now on
         `processes` processes host the logical workers that attach. The current ones are
         told to retire: they serve the iterators attached to them (another rank may still
         be in the epoch before) and exit once those end; a rank learns of the new ones
-        as it attaches (refresh, or a reply that the generation moved)."""
-        with self._lock:
+        as it attaches (refresh, or a reply that the generation moved). The new ones
+        start outside the lock, so the other ranks' attaches go on meanwhile (to the
+        current ones). Returns None, or why the new ones did not start: the current ones
+        then go on serving."""
+        with self._resize_lock:
             if self._closed or self._closing or processes == len(self.gen.pids):
-                return
-            gen, pipes, workers = self._start(processes, self.gen.number + 1)
-            old = (self.gen, self._pipes, self._workers)
-            self.gen, self._pipes, self._workers = gen, pipes, workers
-            for p, pipe in enumerate(old[1]):
-                try:
-                    pipe.send(("retire",))
-                except OSError:
-                    pass  # it died: the ranks on it say so
-                old[0].segment.bells[p].ring()
-            self._retired.append(old)
+                return None
+            try:
+                gen, pipes, workers = self._start(processes, self.gen.number + 1)
+            except Exception as e:
+                return f"{type(e).__name__}: {e}"
+            with self._lock:
+                if self._closed:  # closed meanwhile: these never served
+                    stopping = True
+                else:
+                    stopping = False
+                    old = (self.gen, self._pipes, self._workers)
+                    self.gen, self._pipes, self._workers = gen, pipes, workers
+                    for p, pipe in enumerate(old[1]):
+                        try:
+                            pipe.send(("retire",))
+                        except OSError:
+                            pass  # it died: the ranks on it say so
+                        old[0].segment.bells[p].ring()
+                    self._retired.append(old)
+            if stopping:
+                self._stop(gen.segment, pipes, workers)
         self._reap()
+        return None
 
     def _reap(self) -> None:
         """Close the retired generations whose processes have all exited."""
@@ -497,19 +514,33 @@ class NodeClient(_Node):
             rendezvous.send(self._sock, message)
             return rendezvous.recv(self._sock)
         except (OSError, ConnectionError) as e:
+            # an answer may still come: nothing may read it as the next one's
+            sock, self._sock = self._sock, None
+            rendezvous.close_socket(sock)
             raise WorkerDied(f"PoolLoader(node_pool=True): the node pool's host, local rank "
                              f"{self.host_rank} (pid {self.host_pid}), cannot be reached: "
                              f"{e}") from None
 
+    def _follow(self, current) -> None:
+        """_adopt the generation the host named; if it is gone before this rank could
+        open it (the host moved again and reaped it), ask for the current one again."""
+        for tries in range(MOVED_TRIES):
+            try:
+                self._adopt(current)
+                return
+            except RuntimeError:
+                if tries == MOVED_TRIES - 1:
+                    raise
+            current = self._ask(("current",))[1:]
+
     def refresh(self) -> int:
-        answer = self._ask(("current",))
-        self._adopt(answer[1:])
+        self._follow(self._ask(("current",))[1:])
         return len(self.pids)
 
     def _forward(self, key, number: int, placed: dict) -> bool:
         answer = self._ask(("attach", number, key, placed))
         if answer[0] == "moved":
-            self._adopt(answer[1:])
+            self._follow(answer[1:])
             return False
         if answer[0] != "attached":
             raise RuntimeError(f"PoolLoader(node_pool=True): local rank {self.host_rank} could "

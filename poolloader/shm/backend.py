@@ -237,6 +237,14 @@ def take_owner_lock(fd: int, byte: int | None = None) -> bool:
     return True
 
 
+def unlock_byte(fd: int, byte: int) -> None:
+    """Drop the lock take_owner_lock(fd, byte) took, now: closing `fd` alone does not
+    while another descriptor of the same open file description lives (Python's mmap
+    keeps a dup of the one it maps)."""
+    request = _Flock(fcntl.F_UNLCK, os.SEEK_SET, byte, 1, 0)
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, bytes(request))
+
+
 def owner_lock_held(fd: int, byte: int | None = None) -> bool:
     """Whether another open file description holds a lock on `fd`'s file (`byte`: on
     that byte of it)."""

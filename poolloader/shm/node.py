@@ -29,7 +29,7 @@ import numpy as np
 from poolloader.errors import ControlCorrupt
 from poolloader.shm import fork
 from poolloader.shm._ring import DOORBELL_BYTES, Doorbell
-from poolloader.shm.backend import owner_lock_held, take_owner_lock
+from poolloader.shm.backend import owner_lock_held, take_owner_lock, unlock_byte
 from poolloader.shm.backends import memfd
 
 NODE_MAGIC = 0x65646F4E6C6F6F50  # "PoolNode"
@@ -45,7 +45,8 @@ ERROR_BYTES = 4096  # a process's error record: its length word and the text's l
 
 
 def _nbytes(processes: int) -> int:
-    return (_error_offset(processes, 0) + 4095) // 4096 * 4096
+    """The segment's size: the header, the doorbells and every process's error record."""
+    return (_error_offset(processes, processes) + 4095) // 4096 * 4096
 
 
 def _bell_offset(p: int) -> int:
@@ -64,6 +65,9 @@ class NodeSegment:
         self.mapping = mapping
         self._fd = fd
         self._held = create  # registered with fork.hold: a forked child closes its copy
+        # the byte of the lock this side holds (the host's on create, a process's once
+        # it holds it), released by close(); None: none
+        self._lock_byte: int | None = HOST_BYTE if create else None
         self.processes = processes
         self.locator = locator
         self.bells = [Doorbell(mapping, _bell_offset(p), create=create) for p in range(processes)]
@@ -118,12 +122,14 @@ class NodeSegment:
             self._held = True
         if not take_owner_lock(self._fd, 1 + p):
             raise RuntimeError(f"internal error: node pool process {p}'s lock is already held")
+        self._lock_byte = 1 + p
 
     def host_alive(self) -> bool:
-        return owner_lock_held(self._fd, HOST_BYTE)
+        # closed here: what it says of the host no longer matters to this side
+        return self._fd >= 0 and owner_lock_held(self._fd, HOST_BYTE)
 
     def process_alive(self, p: int) -> bool:
-        return owner_lock_held(self._fd, 1 + p)
+        return self._fd >= 0 and owner_lock_held(self._fd, 1 + p)
 
     def record_error(self, p: int, text: str) -> None:
         """In physical process p, as it fails: `text` (its traceback; the last bytes if
@@ -143,10 +149,17 @@ class NodeSegment:
         return bytes(np.frombuffer(self.mapping, np.uint8, n, offset + 4)).decode("utf-8", "replace")
 
     def close(self) -> None:
-        """Drop the views and the descriptor (the host's: its lock goes with it)."""
+        """Drop the views and the descriptor; the lock this side holds (the host's, a
+        process's) goes now, not when the mapping (which keeps a dup of the
+        descriptor) is collected."""
         self.bells = []
         if self._fd >= 0:
             fd, self._fd = self._fd, -1
+            if self._lock_byte is not None:
+                try:
+                    unlock_byte(fd, self._lock_byte)
+                except OSError:
+                    pass  # the close below drops it with the mapping
             if self._held:
                 fork.release(fd)
             else:
