@@ -101,8 +101,9 @@ class PoolLoader(DataLoader[T_co]):
                   `stats.auto_moves` lists each choice). Within an epoch only for
                   a stateful map-style dataset without device= staging or
                   share_batches. With node_pool, between the epochs of the rank
-                  that hosts the node only (it decides for every local rank; with
-                  persistent_workers the first epoch's count stays).
+                  that hosts the node only (it decides for every local rank; a
+                  persistent iterator restarts onto the new processes as its next
+                  epoch begins, where such a restart is exact).
       node_pool   True: under torchrun with 2 or more local ranks, the loaders of
                   the local ranks (built in the same order, with the same dataset,
                   collate_fn, batch_size, drop_last, num_workers, node_workers)

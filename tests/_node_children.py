@@ -28,7 +28,10 @@ Cases:
         iterator first. Records whether every epoch is DataLoader's, the process count
         and node pids of each epoch, the moves, and the host's children at the end.
         ARG "client_first": rank 1 builds the last epoch's iterator before the host
-        moves; "stale": after, with the generation it knew before (its refresh skipped).
+        moves; "stale": after, with the generation it knew before (its refresh skipped);
+        "persistent": persistent workers (the pace in OUT/pace, set by rank 0), each
+        rank's iterator restarting onto the new processes as its next epoch begins;
+        "persistent_break": the same, the third epoch left after 6 of its 12 batches.
   mismatch  rank 1 builds its loader with batch_size 5: records the error.
   dist_alone  (under POOLLOADER_TEST_DIST) rank 1 builds no loader; rank 0 records the
         error its node-pool loader's construction raised, and how long it took.
@@ -172,6 +175,21 @@ class Paced(Augmented):
     def __getitem__(self, i):
         if self.pace:
             time.sleep(self.pace)
+        return super().__getitem__(i)
+
+
+class FilePaced(Augmented):
+    """Augmented whose items take the seconds written in OUT/pace, read at each item:
+    persistent workers keep their copy of the dataset, so the pace changes there."""
+
+    def __getitem__(self, i):
+        try:
+            with open(os.path.join(OUT, "pace")) as f:
+                pace = float(f.read() or 0)
+        except FileNotFoundError:
+            pace = 0.0
+        if pace:
+            time.sleep(pace)
         return super().__getitem__(i)
 
 
@@ -438,8 +456,19 @@ def main() -> dict:
     if CASE == "auto":
         phases = [(0.0, 0.05)] * 2 + [(0.015, 0.0)] * 2  # (item s, step s) per epoch
 
+        persistent = ARG.startswith("persistent")
+        # "persistent_break": the first worker-bound epoch is left after 6 batches of 12,
+        # so the move after it restarts from a state with requests still out
+        leave = {2: 6} if ARG == "persistent_break" else {}
+
+        def set_pace(pace):
+            path = os.path.join(OUT, "pace")
+            with open(path + ".new", "w") as f:
+                f.write(str(pace))
+            os.replace(path + ".new", path)
+
         def run(pool: bool):
-            dataset = Paced(96)
+            dataset = FilePaced(96) if persistent else Paced(96)
             sampler = DistributedSampler(dataset, num_replicas=WORLD, rank=RANK, shuffle=True,
                                          seed=5)
 
@@ -447,11 +476,14 @@ def main() -> dict:
                 return (PoolLoader if pool else DataLoader)(
                     dataset, batch_size=BATCH, sampler=sampler, num_workers=WORKERS,
                     worker_init_fn=init_fn, generator=torch.Generator().manual_seed(11 + RANK),
+                    persistent_workers=persistent,
                     **({"node_pool": True, "node_workers": "auto"} if pool else {}))
             it_loader = host_first(build) if pool else build()
             out, counts, pids = [], [], []
             for epoch, (pace, step) in enumerate(phases):
                 dataset.pace = pace
+                if persistent and RANK == 0:
+                    set_pace(pace if pool else 0.0)
                 sampler.set_epoch(epoch)
                 # the last epoch (after the move up): "client_first": rank 1 attaches
                 # before the host moves, so the replaced process serves it that epoch;
@@ -471,6 +503,8 @@ def main() -> dict:
                 for batch in it:
                     batches.append([t.clone() for t in batch])
                     time.sleep(step)
+                    if len(batches) == leave.get(epoch):
+                        break
                 del it
                 out.append(batches)
                 if pool:

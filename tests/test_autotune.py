@@ -394,3 +394,44 @@ def test_a_loader_that_cannot_restart_exactly_moves_only_between_epochs(short_wi
     moves = loader.stats.auto_moves
     assert not _within(moves), moves
     assert [m.batch for m in moves[1:]] == [EPOCH_BATCHES], moves  # the one between epochs
+
+
+@pytest.mark.parametrize("left_early", [False, True])
+def test_a_restart_as_a_persistent_epoch_begins_continues_as_dataloader(monkeypatch,
+                                                                       left_early):
+    """The restart node_pool's "auto" makes as a persistent iterator's next epoch begins
+    (PoolLoaderIter._follow_node → _move_processes(between_epochs=True)), here forced
+    at every epoch's start in one process: an epoch that ran to its end is begun by the
+    restart itself, one left early (requests still out) is resumed and then left as
+    DataLoader's is; every batch and main's RNG after each epoch stay DataLoader's,
+    with shuffle=True drawing its order from main's RNG (no generator=)."""
+    from poolloader.main.iterator import PoolLoaderIter
+
+    reset = PoolLoaderIter._reset
+    counts = iter([1, 3, 2] * 2)
+
+    def restarting(self, loader, first_iter=False):
+        if not first_iter and not getattr(self, "_restarting", False):
+            self._restarting = True
+            try:
+                if self._move_processes(loader, next(counts), between_epochs=True):
+                    return  # it began the epoch
+            finally:
+                self._restarting = False
+        reset(self, loader, first_iter)
+    monkeypatch.setattr(PoolLoaderIter, "_reset", restarting)
+
+    def run(loader):
+        epochs = []
+        for e in range(4):
+            batches = []
+            for k, batch in enumerate(loader):
+                batches.append(batch)
+                if left_early and e == 1 and k == 2:
+                    break
+            epochs.append((batches, torch.get_rng_state()))
+        return epochs
+
+    ref, got = both_loaders(_make(persistent=True), run)
+    assert [len(b) for b, _ in got] == [8, 3 if left_early else 8, 8, 8]
+    assert_same(ref, got, "epochs")

@@ -119,7 +119,8 @@ def test_each_rank_gets_its_own_dataloaders_batches_from_the_nodes_processes(tmp
     assert len(host["node_pids"]) == processes
 
 
-@pytest.mark.parametrize("arg", ["", "client_first", "stale"])
+@pytest.mark.parametrize("arg", ["", "client_first", "stale", "persistent",
+                                 "persistent_break"])
 def test_auto_moves_the_node_s_processes_between_the_host_s_epochs(tmp_path, arg):
     """node_workers="auto" under node_pool, 2 ranks × 2 workers, a budget of 2 CPUs:
     main-bound epochs take the node down to 1 process, worker-bound ones back to 2; the
@@ -128,7 +129,9 @@ def test_auto_moves_the_node_s_processes_between_the_host_s_epochs(tmp_path, arg
     "client_first": in the last epoch rank 1 attaches before the host moves, and the
     replaced process serves it to the end of that epoch. "stale": rank 1 attaches after
     the move naming the generation it knew, is told of the new one and places its
-    workers there."""
+    workers there. "persistent": persistent workers; each rank's iterator restarts onto
+    the new processes as its next epoch begins, from its own state ("persistent_break":
+    the epoch before the move up left halfway, its requests still out)."""
     results, codes, logs = _ranks(tmp_path, "auto", 2, arg,
                                   env={"POOLLOADER_AUTO_CPUS": "2"})
     assert codes == [0, 0], logs

@@ -320,6 +320,36 @@ def test_persistent_iterator_is_replaced_on_load():
     assert len(list(loader)) == 13
 
 
+def test_a_state_saved_in_the_epoch_after_loading_an_ended_one_resumes_exactly():
+    """Persistent workers: a state saved after an epoch's end is loaded, and a state
+    saved two batches into the next epoch then resumes it exactly. The workers that had
+    delivered nothing yet in that epoch start it where their last reply of the saved
+    epoch left them; the loaded epoch's start must carry that (it once carried
+    nothing, and those workers began from their seed)."""
+    def make():
+        return make_loader("pool", n=24, batch_size=3, shuffle=True, num_workers=4,
+                           persistent_workers=True, generator=5)
+    torch.manual_seed(0)
+    ref = make_loader("torch", n=24, batch_size=3, shuffle=True, num_workers=4,
+                      persistent_workers=True, generator=5)
+    expected = [[canon(b) for b in ref] for _ in range(2)]
+    ref._iterator._shutdown_workers()
+    torch.manual_seed(0)
+    loaders = [make(), make(), make()]
+    try:
+        first, second, third = loaders
+        assert [canon(b) for b in first] == expected[0]
+        second.load_state_dict(first.state_dict())
+        it = iter(second)
+        head = [canon(next(it)) for _ in range(2)]
+        third.load_state_dict(second.state_dict())
+        assert head + [canon(b) for b in third] == expected[1]
+    finally:
+        for loader in loaders:
+            if loader._iterator is not None:
+                loader._iterator._shutdown_workers()
+
+
 def test_per_batch_record_is_small():
     """The record a worker adds to each reply fits the request area (no extra slot bytes)."""
     loader = _loader()

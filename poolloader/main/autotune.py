@@ -35,8 +35,8 @@ rank, as each makes as many batches), and NodeHost.resize replaces the processes
 old ones serve the iterators still attached to them (another rank finishing its epoch)
 and exit after; each other rank takes the new ones as its next iterator attaches
 (`follow` records them). There the count moves between epochs only (an iterator of
-every rank would have to restart at once within one), so with persistent_workers it
-stays the first epoch's.
+every rank would have to restart at once within one); a persistent iterator restarts
+onto the new processes as its next epoch begins (PoolLoaderIter._follow_node).
 
 Within an epoch the same rule reads each window of at least WINDOW_S seconds and
 MIN_STEADY_BATCHES batches of steady delivery (`review`), and a move restarts the

@@ -86,11 +86,16 @@ class PoolLoaderIter(TrackedNext, RequestScheduling, IteratorTeardown,
     so this is one; its queue-based __init__ is skipped and every method that
     touches queues, pin threads or workers is replaced below."""
 
-    def __init__(self, loader, resume_plan=None, process_count: int | None = None) -> None:
+    def __init__(self, loader, resume_plan=None, process_count: int | None = None,
+                 main_rng: torch.Tensor | None = None) -> None:
         """`resume_plan`: a loaded state to continue from (poolloader.resume.tracker.ResumePlan);
         `process_count`: the worker processes to start (None: the loader's epoch_processes();
-        a node_workers="auto" move within the epoch passes its count: _move_processes)."""
+        a node_workers="auto" move within the epoch passes its count: _move_processes);
+        `main_rng`: main's RNG state, set again once the base seed is drawn (a restart
+        between epochs: persistent workers draw no base seed as an epoch begins)."""
         _BaseDataLoaderIter.__init__(self, loader)
+        if main_rng is not None:
+            torch.set_rng_state(main_rng)
         self._loader_ref = weakref.ref(loader)  # node_workers="auto": a move restarts from it
         self._shutdown = True  # until workers exist there is nothing to shut down
         self._shared_start: startup.SharedStart | None = None
@@ -103,6 +108,7 @@ class PoolLoaderIter(TrackedNext, RequestScheduling, IteratorTeardown,
         # PoolLoader(node_pool=True) under torchrun: the node's processes host the
         # logical workers (poolloader.main.node); None: this iterator starts its own
         self._node = getattr(loader, "_node", None)
+        self._node_gen = None  # the generation of the node's processes it attached to
         # PoolLoader(share_batches=) on the group's leader: every delivered slot is
         # handed to the followers too (poolloader.main.share)
         self._share = getattr(loader, "_share", None)
@@ -223,7 +229,7 @@ class PoolLoaderIter(TrackedNext, RequestScheduling, IteratorTeardown,
             if self._node is not None:
                 # the generation attached to (node_workers="auto" may have replaced the
                 # processes since `hosting` was read): its doorbells, its processes
-                gen = self._node.attach(cfgs)
+                gen = self._node_gen = self._node.attach(cfgs)
                 self._request_bells = self._node.bells(n, gen)  # in the node segment
                 self._workers.extend(self._node.processes(n, gen))
                 auto = loader.auto_workers()
@@ -277,6 +283,9 @@ class PoolLoaderIter(TrackedNext, RequestScheduling, IteratorTeardown,
     def _reset(self, loader, first_iter=False) -> None:
         if self._shutdown and not first_iter:
             raise RuntimeError(self._dead_message())
+        if not first_iter and self._node is not None and self._restarts_exactly(loader) \
+                and self._follow_node(loader):  # node_workers="auto": may restart
+            return  # the restart began this epoch
         self._resume.begin_epoch()  # before the sampler's iterator draws anything
         if self._share is not None:
             self._share.end_epoch(self._share_epoch)  # the previous one, if left early
@@ -593,19 +602,34 @@ class PoolLoaderIter(TrackedNext, RequestScheduling, IteratorTeardown,
         self._puts_owed += 1  # its refill (_refill), as DataLoader's _try_put_index
 
     # -- node_workers="auto" within an epoch (poolloader.main.autotune) ------------------
-    def _moves_in_epoch(self, loader) -> bool:
+    def _restarts_exactly(self, loader) -> bool:
         """Whether this iterator may restart in place with another process count at a
         batch boundary, every batch still DataLoader's: it resumes from its own state
         (a stateful loader), O(num_workers) main-side work for a map-style dataset (an
         IterableDataset without state_dict() would replay its epoch; a datapipe's
         restart would draw its shared seed again, collectively under torch.distributed),
         no batch taken ahead of the caller (a device=/pin_memory stager holds one the
-        state does not count yet), no other rank reading this pool (share_batches,
-        node_pool)."""
+        state does not count yet), no other rank reading this pool (share_batches)."""
         return (loader.auto_workers() is not None and loader.stateful
-                and self._node is None and self._share is None and self._stager is None
+                and self._share is None and self._stager is None
                 and self._dataset_kind == _DatasetKind.Map
                 and not isinstance(self._dataset, (IterDataPipe, MapDataPipe)))
+
+    def _moves_in_epoch(self, loader) -> bool:
+        """Whether the count may move within an epoch (_restarts_exactly): not under
+        node_pool, whose processes every rank's iterator would have to leave at once."""
+        return self._node is None and self._restarts_exactly(loader)
+
+    def _follow_node(self, loader) -> bool:
+        """node_pool, persistent workers, node_workers="auto", as a new epoch begins:
+        the count for it (the host decides and moves the node's processes; another rank
+        reads the host's), and where the node's processes are no longer the ones this
+        iterator attached to, a restart in place onto them, from this iterator's own
+        state at the end of the last epoch (as a move within an epoch restarts). True
+        where that restart began the new epoch itself (_move_processes)."""
+        count = loader.epoch_processes()
+        return (self._node.gen is not self._node_gen
+                and self._move_processes(loader, count, between_epochs=True))
 
     def _review_processes(self) -> None:
         """A window of steady delivery has passed: the rule (autotune.AutoWorkers.review)
@@ -621,16 +645,23 @@ class PoolLoaderIter(TrackedNext, RequestScheduling, IteratorTeardown,
             return
         self._move_processes(loader, to)
 
-    def _move_processes(self, loader, processes: int) -> None:
+    def _move_processes(self, loader, processes: int, between_epochs: bool = False) -> bool:
         """Restart this iterator in place with `processes` worker processes, from its own
         resume state: the workers stop, and new ones start with each logical worker's
         state after its last delivered batch; the requests in flight are drawn again
         and fetched by them (as after load_state_dict()), so no batch is lost, repeated
         or changed. Main's RNG is left as it was (the restart draws a base seed, which
         the state replaces, as loader._get_iterator does for a resumed epoch). A batch
-        the caller holds keeps its slot (its lease outlives the old pool's close)."""
+        the caller holds keeps its slot (its lease outlives the old pool's close).
+
+        `between_epochs` (_follow_node, as a persistent iterator's next epoch begins):
+        where the last epoch ran to its end, the restart begins the next one, as a
+        loader loaded from a state saved then does (each worker where its last reply
+        left it), and main's RNG goes on from the draws the new epoch makes (its
+        sampler's), not from the base seed the restart draws. Returns True then."""
         began = time.perf_counter()
         plan = ResumePlan(self._resume.state_dict(), loader)
+        begins = between_epochs and plan.finished
         epoch = self._epoch  # persistent workers: the epochs this iterator has run
         caller_rng = torch.get_rng_state()
         self._shutdown_workers()
@@ -640,14 +671,17 @@ class PoolLoaderIter(TrackedNext, RequestScheduling, IteratorTeardown,
                 # what the first start warned of (pin_memory without an accelerator)
                 # was said then; a restart says it again on every move
                 warnings.simplefilter("ignore")
-                PoolLoaderIter.__init__(self, loader, plan, processes)
+                PoolLoaderIter.__init__(self, loader, plan, processes,
+                                        main_rng=caller_rng if begins else None)
         finally:
-            torch.set_rng_state(caller_rng)
-        self._epoch = epoch
+            if not begins:
+                torch.set_rng_state(caller_rng)
+        self._epoch = epoch + 1 if begins else epoch
         # the move's start-up counts from its start (stats.startup_s: autotune's window
         # grows with what a restart costs)
         self._epoch_started = began
         loader.iterator_restarted(self)
+        return begins
 
     # -- teardown ---------------------------------------------------------------------
     def _fail(self, error: BaseException) -> None:

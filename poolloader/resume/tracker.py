@@ -222,6 +222,14 @@ class ResumeTracker:
         if plan is not None and not plan.finished:
             resumed = self._resume(plan, sampler_iter)
             sampler_iter = resumed.sampler_iter
+        elif plan is not None and self.persistent:
+            # a new epoch after the saved one: each worker starts it where its last reply
+            # left it (the saved epoch record: ResumePlan.worker), which a state saved in
+            # this epoch must carry for a worker that has not delivered yet
+            for worker in range(self.num_workers):
+                start = plan.records(worker)[1]
+                self.epoch_blob[worker] = start
+                self.latest[worker] = (-1, start)
         if self.sampler_stateful:
             self.snapshots.append((self.draws, self._sampler_states(sampler_iter)))
         return resumed
