@@ -174,16 +174,8 @@ class _Node(rendezvous.Users):
     local_world: int  # the local ranks (join)
 
     @property
-    def segment(self) -> NodeSegment:
-        return self.gen.segment
-
-    @property
     def pids(self) -> list[int]:
         return self.gen.pids
-
-    def place(self, worker: int, num_workers: int) -> int:
-        """The process hosting this rank's logical worker `worker` (module docstring)."""
-        return self.gen.place(self.local_rank, worker, num_workers)
 
     def in_flight(self, num_workers: int, prefetch_factor: int, weight: int = 1) -> int:
         """The requests this rank keeps in flight (module docstring), making the batches
