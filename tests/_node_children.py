@@ -25,8 +25,10 @@ Cases:
   auto  node_workers="auto" (POOLLOADER_AUTO_CPUS=2: 1 or 2 processes for 2 ranks × 2
         workers), four epochs: two main-bound (each rank's step 50 ms, samples instant),
         two worker-bound (samples 15 ms, no step); the host builds each epoch's
-        iterator first. Records whether every epoch is DataLoader's, the process count
-        and node pids of each epoch, the moves, and the host's children at the end.
+        iterator first, and no rank builds an epoch's iterator before every rank built
+        the one before (else the host, ahead, can move again before rank 1 begins an
+        epoch). Records whether every epoch is DataLoader's, the process count and
+        node pids of each epoch, the moves, and the host's children at the end.
         ARG "client_first": rank 1 builds the last epoch's iterator before the host
         moves; "stale": after, with the generation it knew before (its refresh skipped);
         "persistent": persistent workers (the pace in OUT/pace, set by rank 0), each
@@ -494,11 +496,16 @@ def main() -> dict:
                 if node is not None and RANK == 1 and ARG == "stale" \
                         and epoch == len(phases) - 1:
                     node.refresh = lambda node=node: len(node.pids)
+                if pool and epoch:  # no rank runs ahead: every rank began the epoch before
+                    for r in range(WORLD):
+                        read(f"began{epoch - 1}", r)
                 if pool and RANK != first:
                     read(f"started{epoch}", first)  # that rank built its iterator first
                 it = iter(it_loader)
                 if pool and RANK == first:
                     note(f"started{epoch}", True)
+                if pool:
+                    note(f"began{epoch}", True)
                 batches = []
                 for batch in it:
                     batches.append([t.clone() for t in batch])
