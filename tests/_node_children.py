@@ -33,7 +33,9 @@ Cases:
         moves; "stale": after, with the generation it knew before (its refresh skipped);
         "persistent": persistent workers (the pace in OUT/pace, set by rank 0), each
         rank's iterator restarting onto the new processes as its next epoch begins;
-        "persistent_break": the same, the third epoch left after 6 of its 12 batches.
+        "persistent_break": the same, the third epoch left after 6 of its 12 batches;
+        "start_fails": the host's last iterator is built while it and its descendants
+        can fork nothing (a pids cgroup capped at their count): the move up fails.
   mismatch  rank 1 builds its loader with batch_size 5: records the error.
   dist_alone  (under POOLLOADER_TEST_DIST) rank 1 builds no loader; rank 0 records the
         error its node-pool loader's construction raised, and how long it took.
@@ -361,6 +363,50 @@ def children() -> list:
     return sorted(set(proc.live_children(parent=os.getpid())) - service) + forked
 
 
+PIDS_CGROUP = "/sys/fs/cgroup/pids"  # cgroup v1's pids controller (the test skips without)
+
+
+def pids_capped() -> str:
+    """This process and its descendants moved into a new pids cgroup whose limit is
+    what they are now: no fork (nor thread) among them succeeds until uncap()."""
+    path = os.path.join(PIDS_CGROUP, f"pltest-{os.getpid()}-{time.monotonic_ns()}")
+    os.mkdir(path)
+    for pid in proc.tree(proc.process_table()):
+        try:
+            with open(os.path.join(path, "cgroup.procs"), "w") as f:
+                f.write(str(pid))
+        except OSError:  # exited meanwhile
+            pass
+    with open(os.path.join(path, "pids.current")) as f:
+        current = f.read().strip()
+    with open(os.path.join(path, "pids.max"), "w") as f:
+        f.write(current)
+    return path
+
+
+def uncap(path: str) -> None:
+    """pids_capped()'s processes back in the root pids cgroup, the cgroup removed."""
+    with open(os.path.join(path, "pids.max"), "w") as f:
+        f.write("max")
+    with open(os.path.join(path, "cgroup.procs")) as f:
+        pids = f.read().split()
+    for pid in pids:
+        try:
+            with open(os.path.join(PIDS_CGROUP, "cgroup.procs"), "w") as f:
+                f.write(pid)
+        except OSError:
+            pass
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            os.rmdir(path)
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 def main() -> dict:
     if CASE == "parity":
         # ARG "<persistent>[:<node_workers>]"
@@ -501,7 +547,14 @@ def main() -> dict:
                         read(f"began{epoch - 1}", r)
                 if pool and RANK != first:
                     read(f"started{epoch}", first)  # that rank built its iterator first
-                it = iter(it_loader)
+                # "start_fails": the host's move up cannot fork (a pids cgroup at its count)
+                capped = (pids_capped() if pool and RANK == 0 and ARG == "start_fails"
+                          and epoch == len(phases) - 1 else None)
+                try:
+                    it = iter(it_loader)
+                finally:
+                    if capped is not None:
+                        uncap(capped)
                 if pool and RANK == first:
                     note(f"started{epoch}", True)
                 if pool:
@@ -519,7 +572,9 @@ def main() -> dict:
                     pids.append(list(it_loader._node.pids))
             return it_loader, out, counts, pids
         _, expected, _, _ = run(False)
-        pool, got, counts, pids = run(True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pool, got, counts, pids = run(True)
         meet("epochs")  # every rank's last iterator ended: the retired processes exit
 
         def workers():  # the host's node processes (forked by its zygote, if it has one)
@@ -529,11 +584,11 @@ def main() -> dict:
             time.sleep(0.05)
         result = {"equal": same(expected, got), "counts": counts, "pids": pids,
                   "moves": [str(m) for m in pool.stats.auto_moves],
-                  "children": workers() if RANK == 0 else None}
+                  "children": workers() if RANK == 0 else None,
+                  "warnings": [str(w.message) for w in caught]}
         meet("done")
         return result
     if CASE == "mismatch":
-        import warnings
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             kept, _ = loader(PoolLoader, batch_size=5 if RANK == 1 else BATCH, node_pool=True)
@@ -550,7 +605,6 @@ def main() -> dict:
         # ARG "before" / "after": rank 0 builds an evaluation loader before (or after) the
         # train loader that every rank builds, and drops it; rank 1 builds one that only
         # it builds, at another place, after a pause. Records drop times and roles.
-        import warnings
         times: dict = {}
 
         def evaluate():
@@ -718,7 +772,6 @@ def main() -> dict:
             next(it)
             os.kill(os.getpid(), signal.SIGKILL)
         if RANK == 0:
-            import warnings
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 rest = [[t.clone() for t in b] for b in it]
