@@ -54,7 +54,15 @@ The ranks the tests start for a share_batches group wait for each other up to 60
 can lag its peers' by more than the default, and the group would then load apart
 (correct batches, but not the sharing those tests check). The test of that wait sets
 its own.
+
+A test's time is bounded twice. pytest-timeout (`timeout` in pyproject.toml, or the
+test's own mark) raises in the test when it runs out: the test fails and the run goes
+on. That exception can be lost, though: raised inside a `__del__` or a finaliser that
+was waiting, it is printed and dropped, and the wait goes on. A hang must fail CI, never
+eat its time, so a backstop (faulthandler's timer) fires BACKSTOP_S after the
+test's own limit: it writes every thread's stack to the terminal and ends the run.
 """
+import faulthandler
 import gc
 import multiprocessing
 import os
@@ -78,6 +86,42 @@ def pytest_configure(config):
     method = os.environ.get(START_METHOD_ENV)
     if method:
         multiprocessing.set_start_method(method, force=True)
+    global _backstop_fd
+    _backstop_fd = os.dup(2)  # the terminal: capture is not active in pytest_configure
+
+
+def pytest_unconfigure(config):
+    global _backstop_fd
+    if _backstop_fd is not None:
+        os.close(_backstop_fd)
+        _backstop_fd = None
+
+
+BACKSTOP_S = 60.0
+_backstop_fd = None
+
+
+def _test_limit(item) -> float:
+    """The test's pytest-timeout limit in seconds: its mark's, else the ini's."""
+    mark = item.get_closest_marker("timeout")
+    if mark is not None and mark.args:
+        return float(mark.args[0])
+    if mark is not None and "timeout" in mark.kwargs:
+        return float(mark.kwargs["timeout"])
+    return float(item.config.getini("timeout") or 0)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """The backstop (see the module docstring): armed for the test's setup, call and
+    teardown; a test with no limit has none."""
+    limit = _test_limit(item)
+    if limit > 0 and _backstop_fd is not None:
+        faulthandler.dump_traceback_later(limit + BACKSTOP_S, exit=True, file=_backstop_fd)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def pytest_collection_finish(session):
