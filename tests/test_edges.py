@@ -8,6 +8,7 @@ import os
 import pickle
 import re
 import signal
+import subprocess
 import sys
 import warnings
 
@@ -15,6 +16,7 @@ import loader_datasets as ds
 import pytest
 import torch
 from compare import assert_same, both_loaders, pool_only
+from helpers import communicate_within
 from torch.utils.data import DataLoader, TensorDataset
 
 from poolloader import PoolLoader, WorkerDied
@@ -526,3 +528,31 @@ def test_a_slot_whose_replacement_failed_is_not_lost():
     held = [str(w.message) for w in caught if "still holds" in str(w.message)]
     assert not held and loader.stats.detaches == 0, held
     assert_same(ref, got)
+
+
+_COLLECTED_UNDER_THE_LIVE_LOCK = """
+import gc, sys
+import torch
+from torch.utils.data import TensorDataset
+from poolloader import PoolLoader
+from poolloader.main import supervise
+
+it = iter(PoolLoader(TensorDataset(torch.arange(8)), batch_size=2, num_workers=1))
+next(it)
+workers = list(it._workers)
+it.cycle = it  # only the collector frees it
+del it
+with supervise._live_lock:  # as in track(): the collector runs on an allocation there
+    gc.collect()
+print("stopped" if not any(w.is_alive() for w in workers) else "alive", flush=True)
+"""
+
+
+def test_an_iterator_collected_inside_track_shuts_down():
+    """The collector can finalise a dead iterator while this thread holds the live-set
+    lock (track() allocates under it); the teardown's untrack takes it again. Run in a
+    child: with a lock that is not reentrant it would wait for itself forever."""
+    child = subprocess.Popen([sys.executable, "-c", _COLLECTED_UNDER_THE_LIVE_LOCK],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = communicate_within(child, 60, "collecting an iterator under the live-set lock")
+    assert child.returncode == 0 and out.strip() == "stopped", (out, err[-2000:])

@@ -25,7 +25,9 @@ JOIN_TIMEOUT = 1.0
 MAIN_TICK = 0.1
 
 _live: weakref.WeakSet = weakref.WeakSet()
-_live_lock = threading.Lock()
+# Reentrant: the collector may run inside `track` (the WeakSet's weakref is an
+# allocation) and finalise a dead iterator there, whose teardown calls `untrack`.
+_live_lock = threading.RLock()
 
 
 @atexit.register
