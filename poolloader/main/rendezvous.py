@@ -210,7 +210,9 @@ class Users:
     iterator can outlive its loader), each counted by `acquire` and `release`."""
 
     _users = 0
-    _users_lock = threading.Lock()
+    # Reentrant: release() runs in finalisers (weakref.finalize, __del__), which the
+    # collector may start while this thread is inside acquire() or release().
+    _users_lock = threading.RLock()
 
     def close(self) -> None:
         raise NotImplementedError
