@@ -97,18 +97,24 @@ def pytest_unconfigure(config):
         _backstop_fd = None
 
 
-BACKSTOP_S = 60.0
-_backstop_fd = None
-
-
 def _test_limit(item) -> float:
-    """The test's pytest-timeout limit in seconds: its mark's, else the ini's."""
+    """The test's pytest-timeout limit in seconds, as pytest-timeout reads it: the
+    test's mark, else --timeout, else PYTEST_TIMEOUT, else the ini's; 0 without the
+    plugin (-p no:timeout)."""
     mark = item.get_closest_marker("timeout")
     if mark is not None and mark.args:
-        return float(mark.args[0])
+        return float(mark.args[0] or 0)
     if mark is not None and "timeout" in mark.kwargs:
-        return float(mark.kwargs["timeout"])
-    return float(item.config.getini("timeout") or 0)
+        return float(mark.kwargs["timeout"] or 0)
+    try:
+        option = item.config.getoption("timeout", None)
+        ini = item.config.getini("timeout")
+    except ValueError:  # the plugin is not loaded: no limit to back up
+        return 0.0
+    for value in (option, os.environ.get("PYTEST_TIMEOUT"), ini):
+        if value not in (None, ""):
+            return float(value)
+    return 0.0
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -128,6 +134,8 @@ def pytest_collection_finish(session):
     gc.collect()
     gc.freeze()  # see the module docstring
 SETTLE_S = 5.0
+BACKSTOP_S = 60.0  # past the test's own limit (module docstring)
+_backstop_fd = None  # a dup of the terminal's stderr, made in pytest_configure
 _FIRST_NUMBER = re.compile(r"(?:^|[_.-])(\d+)(?:[_.-]|$)")
 
 
