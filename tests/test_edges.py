@@ -537,7 +537,7 @@ def test_a_slot_whose_replacement_failed_is_not_lost():
 
 
 _COLLECTED_UNDER_THE_LIVE_LOCK = """
-import gc, sys
+import gc
 import torch
 from torch.utils.data import TensorDataset
 from poolloader import PoolLoader
