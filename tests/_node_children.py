@@ -611,7 +611,11 @@ def main() -> dict:
             start = time.monotonic()
             ev = PoolLoader(Augmented(12), batch_size=4, num_workers=WORKERS, node_pool=True,
                             generator=torch.Generator().manual_seed(3))
-            got = [[t.clone() for t in b] for b in ev]
+            it = iter(ev)
+            got = [[t.clone() for t in b] for b in it]
+            # the requests it kept out: a rank's share of the node's, though alone
+            times.setdefault("eval_in_flight", []).append(it._max_in_flight)
+            del it
             role = type(ev._node).__name__
             start_drop = time.monotonic()
             del ev

@@ -244,7 +244,9 @@ def test_loaders_meet_by_where_they_are_built(tmp_path, arg):
     the train loader every rank builds; rank 1 reaches the train loader 2 s after rank 0
     and then builds an evaluation loader of its own at another place. The train loaders
     meet (rank 1 joins rank 0's processes); each evaluation loader is an ordinary one of
-    its rank, whose drop waits for nobody; every batch is its DataLoader's."""
+    its rank, whose drop waits for nobody; every batch is its DataLoader's. Alone, it
+    still sends a rank's share of the node's requests, ceil(2 processes × 2 / 2 ranks),
+    not its own loader's 4 (docs/node.md says so, and how to get 4: node_pool=False)."""
     results, codes, logs = _ranks(tmp_path, "places", 2, arg)
     assert codes == [0, 0], logs
     zero, one = results
@@ -253,6 +255,7 @@ def test_loaders_meet_by_where_they_are_built(tmp_path, arg):
     assert zero["host"] == one["host"]
     for r in results:
         assert r["roles"] == ["NodeHost"] and r["eval_equal"] == [True], results
+        assert r["eval_in_flight"] == [2], results
         assert r["drops"][0] < 1.0, results  # nobody else came: nobody is waited for
         assert r["warnings"] == [], results
 
