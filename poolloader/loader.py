@@ -296,6 +296,8 @@ class PoolLoader(DataLoader[T_co]):
             if node is not None and node.host_rank != node.local_rank:
                 # node_pool: the rank that hosts the node chooses; this one follows
                 return self._auto.follow(self.stats, node.refresh(), node.host_rank)
+            if node is not None:  # the ranks sharing the node now: a lone host's, 1
+                self._auto.ranks = node.sharing_ranks()
             self._auto.workers_stopped(self.stats.last_memory)
             count = self._auto.processes(self.stats)
             if node is not None:  # the node's processes from this epoch on

@@ -36,6 +36,15 @@ Cases:
         "persistent_break": the same, the third epoch left after 6 of its 12 batches;
         "start_fails": the host's last iterator is built while it and its descendants
         can fork nothing (a pids cgroup capped at their count): the move up fails.
+  alone  rank 0 builds a node-pool loader that rank 1 does not (POOLLOADER_NODE_ALONE_S
+        set short by the test), 24 batches paced at 60 ms an item: records, after each
+        next(), the seconds since before the build, its requests out and its cap, and
+        whether the epoch is DataLoader's. ARG "late": rank 1 builds one at the same
+        place once rank 0 saw its cap rise (joining its node) and says so in a file,
+        which rank 0 waits for there; rank 0 records how many batches it had then.
+        "auto": node_workers="auto" (POOLLOADER_AUTO_CPUS=4), two epochs, unpaced, the
+        second built after the wait: records the process count of each, and the seconds
+        from before the build until the first iterator was built.
   mismatch  rank 1 builds its loader with batch_size 5: records the error.
   dist_alone  (under POOLLOADER_TEST_DIST) rank 1 builds no loader; rank 0 records the
         error its node-pool loader's construction raised, and how long it took.
@@ -611,11 +620,7 @@ def main() -> dict:
             start = time.monotonic()
             ev = PoolLoader(Augmented(12), batch_size=4, num_workers=WORKERS, node_pool=True,
                             generator=torch.Generator().manual_seed(3))
-            it = iter(ev)
-            got = [[t.clone() for t in b] for b in it]
-            # the requests it kept out: a rank's share of the node's, though alone
-            times.setdefault("eval_in_flight", []).append(it._max_in_flight)
-            del it
+            got = [[t.clone() for t in b] for b in ev]
             role = type(ev._node).__name__
             start_drop = time.monotonic()
             del ev
@@ -645,6 +650,63 @@ def main() -> dict:
         result = {"equal": same(expected, got), "role": type(pool[0]._node).__name__,
                   "host": pool[0]._node.host_pid, **times,
                   "warnings": [str(w.message) for w in caught if "PoolLoader" in str(w.message)]}
+        meet("done")
+        return result
+    if CASE == "alone":
+        def make(cls, **kw):
+            dataset = FilePaced(96)
+            sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(7 + RANK))
+            return cls(dataset, batch_size=BATCH, sampler=sampler, num_workers=WORKERS,
+                       worker_init_fn=init_fn, generator=torch.Generator().manual_seed(11 + RANK),
+                       **kw)
+
+        if RANK == 1 and ARG != "late":  # builds nothing
+            meet("done")
+            return {}
+        if ARG == "auto":  # two epochs, the second built after the wait
+            plain = make(DataLoader)
+            expected = [[[t.clone() for t in b] for b in plain] for _ in range(2)]
+            started = time.monotonic()
+            pool = make(PoolLoader, node_pool=True, node_workers="auto")
+            got, counts, first_s = [], [], None
+            for epoch in range(2):
+                if epoch:
+                    time.sleep(float(os.environ["POOLLOADER_NODE_ALONE_S"]))
+                it = iter(pool)
+                first_s = time.monotonic() - started if first_s is None else first_s
+                counts.append(len(pool._node.pids))
+                got.append([[t.clone() for t in b] for b in it])
+                del it
+            result = {"equal": same(expected, got), "counts": counts, "first_s": first_s,
+                      "moves": [str(m) for m in pool.stats.auto_moves]}
+            meet("done")
+            return result
+        expected = [[t.clone() for t in b] for b in make(DataLoader)]
+        if ARG == "late":
+            meet("expected")  # both DataLoader epochs unpaced
+        if RANK == 0:
+            with open(os.path.join(OUT, "pace"), "w") as f:
+                f.write("0.06")
+        else:
+            read("past", 0)  # rank 0's cap rose: it was alone long enough
+        started = time.monotonic()
+        pool = make(PoolLoader, node_pool=True)  # one line: both ranks build it here
+        role = type(pool._node).__name__
+        if RANK == 1:
+            note("joined", True)
+        it = iter(pool)
+        built = time.monotonic() - started, it._max_in_flight
+        got, seen, joined = [], [], None
+        for batch in it:
+            got.append([t.clone() for t in batch])
+            seen.append((time.monotonic() - started, it._slots_out(), it._cap))
+            if RANK == 0 and ARG == "late" and joined is None and it._cap > 2:
+                note("past", True)
+                read("joined", 1)  # rank 1 joined (the epoch waits for it)
+                joined = len(seen)  # observations from here on come after rank 1 joined
+        del it
+        result = {"equal": same([expected], [got]), "role": role, "built": built,
+                  "seen": seen, "joined": joined}
         meet("done")
         return result
     if CASE == "dist_alone":  # rank 1 builds no loader at all

@@ -41,7 +41,11 @@ def _ranks(tmp_path, case: str, world: int, arg: str = "", env=None, nodes: int 
     world / nodes local ranks); with `dist`, as a launcher of one's own starts them:
     no torchrun variable, each rank the child of its own shell (so the ranks' peer
     check must use the pids the store gave, not a common parent), and each rank
-    initialises torch.distributed (gloo, a FileStore in tmp_path). [rank's JSON, or None if it wrote none]."""
+    initialises torch.distributed (gloo, a FileStore in tmp_path). [rank's JSON, or None if it wrote none].
+    A host counts every local rank in its share for 60 s (POOLLOADER_NODE_ALONE_S, unless
+    `env` sets it): a rank that a loaded machine delays past the default 5 s must not
+    change the in-flight counts these tests check."""
+    env = {"POOLLOADER_NODE_ALONE_S": "60", **(env or {})}
     run_id = f"pltest-{uuid.uuid4().hex[:12]}"
     procs, logs = [], []
     per_node = world // nodes
@@ -244,9 +248,7 @@ def test_loaders_meet_by_where_they_are_built(tmp_path, arg):
     the train loader every rank builds; rank 1 reaches the train loader 2 s after rank 0
     and then builds an evaluation loader of its own at another place. The train loaders
     meet (rank 1 joins rank 0's processes); each evaluation loader is an ordinary one of
-    its rank, whose drop waits for nobody; every batch is its DataLoader's. Alone, it
-    still sends a rank's share of the node's requests, ceil(2 processes × 2 / 2 ranks),
-    not its own loader's 4 (docs/node.md says so, and how to get 4: node_pool=False)."""
+    its rank, whose drop waits for nobody; every batch is its DataLoader's."""
     results, codes, logs = _ranks(tmp_path, "places", 2, arg)
     assert codes == [0, 0], logs
     zero, one = results
@@ -255,9 +257,57 @@ def test_loaders_meet_by_where_they_are_built(tmp_path, arg):
     assert zero["host"] == one["host"]
     for r in results:
         assert r["roles"] == ["NodeHost"] and r["eval_equal"] == [True], results
-        assert r["eval_in_flight"] == [2], results
         assert r["drops"][0] < 1.0, results  # nobody else came: nobody is waited for
         assert r["warnings"] == [], results
+
+
+@pytest.mark.parametrize("arg", ["", "late"])
+def test_a_loader_no_other_rank_joins_takes_the_node_s_whole_depth(tmp_path, arg):
+    """A node-pool loader only rank 0 builds (2 ranks, 2 processes, 2 workers) keeps a
+    rank's share of the node's requests, ceil(2 × 2 / 2) = 2, while another rank may
+    still come (POOLLOADER_NODE_ALONE_S, 0.5 s here), then the node's whole depth, 4, as
+    a loader of its own would. "late": rank 1 builds the same loader after that and
+    joins; from then on rank 0's share is 2 again. Every batch is its DataLoader's."""
+    alone_s = 0.5
+    results, codes, logs = _ranks(tmp_path, "alone", 2, arg,
+                                  env={"POOLLOADER_NODE_ALONE_S": str(alone_s)})
+    assert codes == [0, 0], logs
+    host = results[0]
+    assert host["equal"] and host["role"] == "NodeHost", logs
+    seen = host["seen"]
+    built_s, built_cap = host["built"]
+    if built_s < alone_s:  # the iterator was built (and its cap set) before the grace ended
+        assert built_cap == 2, host
+    # seconds counted from before the build: one under alone_s is within the grace
+    assert all(cap == 2 and out <= 2 for t, out, cap in seen if t < alone_s), seen
+    assert max(cap for _, _, cap in seen) == 4 and max(out for _, out, _ in seen) == 4, seen
+    if arg == "late":
+        client = results[1]
+        assert client["equal"] and client["role"] == "NodeClient", logs
+        assert client["built"][1] == 2 and all(cap == 2 for _, _, cap in client["seen"]), client
+        joined = host["joined"]
+        assert joined is not None and joined < len(seen), host
+        # the join seen after observation `joined`: every next() after it sent within 2
+        assert all(cap == 2 for _, _, cap in seen[joined:]), seen
+
+
+def test_auto_on_a_loader_no_other_rank_joins_counts_one_rank(tmp_path):
+    """node_workers="auto" on a node-pool loader only rank 0 builds (2 ranks × 2 workers,
+    4 CPUs): it starts min(2 × 2, 4) = 4 processes, as the other rank may still come
+    (POOLLOADER_NODE_ALONE_S, 2 s here); the epoch after the wait counts one rank, so
+    its ceiling is num_workers, 2."""
+    alone_s = 2.0
+    results, codes, logs = _ranks(tmp_path, "alone", 2, "auto",
+                                  env={"POOLLOADER_NODE_ALONE_S": str(alone_s),
+                                       "POOLLOADER_AUTO_CPUS": "4"})
+    assert codes == [0, 0], logs
+    host = results[0]
+    assert host["equal"], logs
+    if host["first_s"] < alone_s:  # the first epoch's count was chosen within the wait
+        assert host["counts"][0] == 4, host
+    assert host["counts"][1] == 2, host
+    if host["counts"][0] == 4:  # else the first epoch's count was already one rank's
+        assert "over the budget (num_workers=2)" in host["moves"][-1], host["moves"]
 
 
 def test_through_torch_distributed_a_rank_that_builds_no_loader_is_named(tmp_path):

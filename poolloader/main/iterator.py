@@ -144,11 +144,15 @@ class PoolLoaderIter(TrackedNext, RequestScheduling, IteratorTeardown,
         # held until one is delivered
         self._max_in_flight = self._prefetch_factor * n
         self._cap: int | None = None
+        most = None  # the most the cap may become (the pool's capacity): the share's
         if self._node is not None and self._in_order:
-            weight = self._share.weight if self._share is not None else 1
+            # the share now; it moves with the ranks sharing the node (_send_held)
+            self._cap_weight = self._share.weight if self._share is not None else 1
             self._cap = self._max_in_flight = self._node.in_flight(n, self._prefetch_factor,
-                                                                   weight)
-        size = plan_sizes(loader, self._gate is not None, self._max_in_flight)
+                                                                   self._cap_weight)
+            most = self._cap_most = self._node.most_in_flight(n, self._prefetch_factor,
+                                                              self._cap_weight)
+        size = plan_sizes(loader, self._gate is not None, self._max_in_flight, most)
         if self._share is not None and loader.max_slots is None:
             size = size._replace(capacity=size.capacity + SHARE_SLACK,
                                  max_slots=size.max_slots + SHARE_SLACK)

@@ -77,12 +77,14 @@ class Sizing(NamedTuple):
     slot_bytes: int  # each new segment's size
 
 
-def plan_sizes(loader, gated: bool, in_flight: int) -> Sizing:
+def plan_sizes(loader, gated: bool, in_flight: int, most_in_flight: int | None = None) -> Sizing:
     """A new pool's sizes from the loader's knobs and the requests its iterator keeps
-    in flight. With a CUDA gate, as many slots again may cool behind copies; a previous
-    pool of this loader already learned how big batches are (stats.learned_slot_bytes)."""
+    in flight (`most_in_flight`: the most it may keep later, a node pool rank's share
+    as ranks leave; the capacity allows for it, the slots made at start do not). With a
+    CUDA gate, as many slots again may cool behind copies; a previous pool of this
+    loader already learned how big batches are (stats.learned_slot_bytes)."""
     slots = loader.slots if loader.slots is not None else default_slots(in_flight)
-    capacity = slot_capacity(slots, in_flight, loader.max_slots)
+    capacity = slot_capacity(slots, max(in_flight, most_in_flight or 0), loader.max_slots)
     max_slots = loader.max_slots if loader.max_slots is not None else capacity * (2 if gated else 1)
     slot_bytes = max(loader.slot_bytes, loader.stats.learned_slot_bytes, fmt.MIN_SLOT_BYTES)
     return Sizing(min(slots, max_slots), capacity, max_slots, slot_bytes)

@@ -31,6 +31,9 @@ ahead for all its ranks together, as a DataLoader of P workers would; each rank 
 its share of requests sent and not yet delivered, ceil(P × prefetch_factor / local
 ranks), at least 1, at most its own num_workers × prefetch_factor, and a pool that many
 slots (+ 2) large; a share_batches leader counts its followers here, which send none.
+The host counts every local rank for ALONE_S after it began serving the node, then
+itself and the ranks joined now (sharing_ranks, read at every send): a loader nobody
+joins takes the node's whole depth, and its pool's capacity allows for it.
 Every DataLoader call still draws its index and picks its worker when DataLoader's
 does; the requests past the share are held in the iterator and sent, in that order, as
 batches are delivered, and at an epoch left early (persistent workers) in waves before
@@ -68,6 +71,12 @@ NODE_POOL_ENV = "POOLLOADER_NODE_POOL"
 # How long a host, once its own loader and iterators are gone, waits for the local ranks
 # still connected to let go of the node's processes before it stops them (seconds).
 LINGER_S = 10.0
+# A host that no other local rank has joined ALONE_S after it began serving (an
+# evaluation loader on rank 0) stops counting the ranks that never came in its share
+# of the node's requests: ranks reaching the same place seconds apart still meet, so
+# until then every local rank counts. POOLLOADER_NODE_ALONE_S overrides it (seconds).
+ALONE_S = 5.0
+ALONE_ENV = "POOLLOADER_NODE_ALONE_S"
 MOVED_TRIES = 5  # attaches that may find the generation replaced before one holds
 _iterators = itertools.count()  # iterators attached from this process (group keys)
 
@@ -84,6 +93,20 @@ def wanted(node_pool) -> bool:
     if not isinstance(node_pool, bool):
         raise ValueError(f"node_pool must be True, False or None, got {node_pool!r}")
     return node_pool
+
+
+def alone_s() -> float:
+    """ALONE_S, or POOLLOADER_NODE_ALONE_S."""
+    value = os.environ.get(ALONE_ENV, "").strip()
+    if not value:
+        return ALONE_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:
+        raise ValueError(f"{ALONE_ENV}={value!r}: use a number of seconds >= 0")
+    return seconds
 
 
 def qualified_name(obj) -> str:
@@ -177,11 +200,28 @@ class _Node(rendezvous.Users):
     def pids(self) -> list[int]:
         return self.gen.pids
 
-    def in_flight(self, num_workers: int, prefetch_factor: int, weight: int = 1) -> int:
+    def sharing_ranks(self) -> int:
+        """The local ranks the node's requests are shared among now (module docstring):
+        every local rank, on a rank that joined a host."""
+        return self.local_world
+
+    def fewest_sharing_ranks(self) -> int:
+        """The fewest sharing_ranks() may become while this loader lives."""
+        return self.local_world
+
+    def in_flight(self, num_workers: int, prefetch_factor: int, weight: int = 1,
+                  ranks: int | None = None, gen: _Generation | None = None) -> int:
         """The requests this rank keeps in flight (module docstring), making the batches
-        of `weight` local ranks (a share_batches leader's followers send none)."""
-        share = -(-len(self.pids) * prefetch_factor * weight // self.local_world)
+        of `weight` local ranks (a share_batches leader's followers send none), the
+        requests of `gen`'s processes (default: the current generation's) shared among
+        `ranks` (default: sharing_ranks() now)."""
+        ranks = self.sharing_ranks() if ranks is None else ranks
+        share = -(-len((gen or self.gen).pids) * prefetch_factor * weight // ranks)
         return max(1, min(num_workers * prefetch_factor, share))
+
+    def most_in_flight(self, num_workers: int, prefetch_factor: int, weight: int = 1) -> int:
+        """The most in_flight() may become while this loader lives (for its pools)."""
+        return self.in_flight(num_workers, prefetch_factor, weight, self.fewest_sharing_ranks())
 
     def processes(self, num_workers: int, gen: _Generation | None = None) -> list[NodeProcess]:
         """One NodeProcess per logical worker (the same object for one process)."""
@@ -227,6 +267,7 @@ class NodeHost(_Node):
     def __init__(self, ctx, processes: int, mine: dict, listener: socket.socket,
                  timeout: float, local_rank: int, zygote=None):
         """`zygote` (poolloader.worker.zygote; None: none): forks the node's processes."""
+        alone = alone_s()  # a bad POOLLOADER_NODE_ALONE_S is refused before any process starts
         self.local_rank = self.host_rank = local_rank
         self.host_pid = os.getpid()
         self._mine = mine
@@ -237,6 +278,7 @@ class NodeHost(_Node):
         self._closing = False  # this rank let go: no rank joins any more
         self._listener: socket.socket | None = listener
         self._clients = 0  # ranks joined (each lets go when its loader is gone)
+        self._alone_from = float("inf")  # see sharing_ranks: set once ranks may join
         self._joined: set = set()  # their sockets
         self._thread: threading.Thread | None = None
         self._pipes: list = []
@@ -250,6 +292,7 @@ class NodeHost(_Node):
             self._thread = threading.Thread(target=self._serve, name="poolloader-node-host",
                                             daemon=True)
             self._thread.start()
+            self._alone_from = time.monotonic() + alone  # others may join from now
         except BaseException:
             self.close()
             raise
@@ -277,6 +320,19 @@ class NodeHost(_Node):
             self._stop(segment, pipes, workers)
             raise
         return gen, pipes, workers
+
+    def sharing_ranks(self) -> int:
+        """Every local rank until ALONE_S after this rank started serving the node (another
+        may still be on its way); from then on this rank and those joined now: a loader no
+        other rank builds takes the node's whole depth, as a loader of its own would.
+        A rank that joins later is counted from then on (the requests this rank sent
+        past its new share are delivered, not recalled)."""
+        if time.monotonic() < self._alone_from:
+            return self.local_world
+        return min(self.local_world, 1 + self._clients)
+
+    def fewest_sharing_ranks(self) -> int:
+        return 1
 
     def host_alive(self, gen: _Generation | None = None) -> bool:
         return not self._closed  # this process: its own lock does not show to itself

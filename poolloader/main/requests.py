@@ -20,6 +20,10 @@ class RequestScheduling:
     _ledger: Any
     _held: Any
     _cap: int | None
+    _cap_weight: int
+    _cap_most: int
+    _node: Any
+    _node_gen: Any
     _send_idx: int
     _tasks_outstanding: int
     _picking: tuple[int, list]
@@ -61,6 +65,10 @@ class RequestScheduling:
 
     def _send_held(self) -> None:
         held, cap = self._held, self._cap
+        if cap is not None:  # a node pool rank's share, as the ranks sharing it are now
+            # (of the processes it attached to; never past what its pool was sized for)
+            cap = self._cap = min(self._cap_most, self._node.in_flight(
+                self._num_workers, self._prefetch_factor, self._cap_weight, gen=self._node_gen))
         while held and (cap is None or self._slots_out() < cap):
             index, worker, seed = held[0]
             if self._workers_status[worker]:
