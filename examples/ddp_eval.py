@@ -8,9 +8,9 @@ alone builds an evaluation loader before the train loader (`--eval-first`) and a
 every epoch. Under `-m poolloader --node-pool` every `DataLoader(num_workers > 0)` the
 script builds is a node-pool PoolLoader: the train loaders, built at the same place on
 every rank, share one set of worker processes; each evaluation loader, built on rank 0
-only, is rank 0's own loader (with a rank's share of the node's requests in flight:
-docs/node.md), and dropping it waits for nobody. Nothing in the script knows which
-loader it runs.
+only, is rank 0's own loader (with the node's whole prefetch depth once nobody joined
+it for 5 s: docs/node.md), and dropping it waits for nobody. Nothing in the script
+knows which loader it runs.
 
 Each rank writes its own JSON (`--out` with `.rank<R>` before the extension): its loss
 at every step, rank 0's evaluation losses, and how long each evaluation loader took to
