@@ -296,7 +296,10 @@ class PoolLoader(DataLoader[T_co]):
             if node is not None and node.host_rank != node.local_rank:
                 # node_pool: the rank that hosts the node chooses; this one follows
                 return self._auto.follow(self.stats, node.refresh(), node.host_rank)
-            if node is not None:  # the ranks sharing the node now: a lone host's, 1
+            if node is not None and self._auto.current:
+                # from the second epoch on, the ranks sharing the node now (a lone host's:
+                # 1); the first counts every local rank, as the node was started for them
+                # (a rank that builds late must not find it cut down to one rank's)
                 self._auto.ranks = node.sharing_ranks()
             self._auto.workers_stopped(self.stats.last_memory)
             count = self._auto.processes(self.stats)

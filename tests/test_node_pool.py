@@ -293,21 +293,18 @@ def test_a_loader_no_other_rank_joins_takes_the_node_s_whole_depth(tmp_path, arg
 
 def test_auto_on_a_loader_no_other_rank_joins_counts_one_rank(tmp_path):
     """node_workers="auto" on a node-pool loader only rank 0 builds (2 ranks × 2 workers,
-    4 CPUs): it starts min(2 × 2, 4) = 4 processes, as the other rank may still come
-    (POOLLOADER_NODE_ALONE_S, 2 s here); the epoch after the wait counts one rank, so
-    its ceiling is num_workers, 2."""
-    alone_s = 2.0
+    4 CPUs): its first epoch has min(2 × 2, 4) = 4 processes, as the node was started for
+    every local rank (whenever that epoch begins); the epoch after the wait
+    (POOLLOADER_NODE_ALONE_S, 0.5 s here) counts one rank, so its ceiling is num_workers,
+    2, and it moves there."""
     results, codes, logs = _ranks(tmp_path, "alone", 2, "auto",
-                                  env={"POOLLOADER_NODE_ALONE_S": str(alone_s),
+                                  env={"POOLLOADER_NODE_ALONE_S": "0.5",
                                        "POOLLOADER_AUTO_CPUS": "4"})
     assert codes == [0, 0], logs
     host = results[0]
     assert host["equal"], logs
-    if host["first_s"] < alone_s:  # the first epoch's count was chosen within the wait
-        assert host["counts"][0] == 4, host
-    assert host["counts"][1] == 2, host
-    if host["counts"][0] == 4:  # else the first epoch's count was already one rank's
-        assert "over the budget (num_workers=2)" in host["moves"][-1], host["moves"]
+    assert host["counts"] == [4, 2], host
+    assert "over the budget (num_workers=2)" in host["moves"][-1], host["moves"]
 
 
 def test_through_torch_distributed_a_rank_that_builds_no_loader_is_named(tmp_path):
