@@ -97,16 +97,7 @@ def wanted(node_pool) -> bool:
 
 def alone_s() -> float:
     """ALONE_S, or POOLLOADER_NODE_ALONE_S."""
-    value = os.environ.get(ALONE_ENV, "").strip()
-    if not value:
-        return ALONE_S
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = -1.0
-    if not seconds >= 0:
-        raise ValueError(f"{ALONE_ENV}={value!r}: use a number of seconds >= 0")
-    return seconds
+    return rendezvous.env_seconds(ALONE_ENV, ALONE_S)
 
 
 def qualified_name(obj) -> str:

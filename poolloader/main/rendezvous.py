@@ -185,14 +185,15 @@ def _dist_group() -> LocalGroup | None:
 
 
 def rendezvous_timeout() -> float:
-    return _seconds(TIMEOUT_ENV, RENDEZVOUS_TIMEOUT)
+    return env_seconds(TIMEOUT_ENV, RENDEZVOUS_TIMEOUT)
 
 
 def share_wait() -> float:
-    return _seconds(SHARE_WAIT_ENV, SHARE_WAIT)
+    return env_seconds(SHARE_WAIT_ENV, SHARE_WAIT)
 
 
-def _seconds(name: str, default: float) -> float:
+def env_seconds(name: str, default: float) -> float:
+    """The environment variable `name` as seconds (>= 0), or `default` where it is unset."""
     value = os.environ.get(name)
     if value is None:
         return default
