@@ -44,6 +44,10 @@ Cases:
         which rank 0 waits for there; rank 0 records how many batches it had then.
         "auto": node_workers="auto" (POOLLOADER_AUTO_CPUS=4), two epochs, unpaced, the
         second built after the wait: records the process count of each.
+  one_copy  each rank's dataset holds the same 1 MiB array, into which every item
+        writes (Table): records whether the epoch is DataLoader's, the inode of this
+        rank's start payload and, with every rank's payload loaded, the start payloads
+        each node process maps.
   mismatch  rank 1 builds its loader with batch_size 5: records the error.
   dist_alone  (under POOLLOADER_TEST_DIST) rank 1 builds no loader; rank 0 records the
         error its node-pool loader's construction raised, and how long it took.
@@ -213,6 +217,21 @@ class Slow(Augmented):
         return super().__getitem__(i)
 
 
+class Table(Augmented):
+    """Augmented with a 1 MiB array that every rank builds alike: each item adds 1 to
+    a row of its worker's copy and returns the row's sum after, so a write another
+    worker made into the same copy would show in the batches."""
+
+    def __init__(self, n=N_SAMPLES):
+        super().__init__(n)
+        self.table = np.arange(1 << 17, dtype=np.float64).reshape(256, 512)
+
+    def __getitem__(self, i):
+        row = self.table[i % 4]
+        row += 1
+        return super().__getitem__(i) + (torch.tensor(row.sum()),)
+
+
 def init_fn(worker_id):
     info = get_worker_info()
     info.dataset.offset = random.randint(0, 1000) + int(np.random.randint(0, 1000)) \
@@ -258,8 +277,8 @@ def host_first(build):
             open(flag, "w").close()
 
 
-def loader(cls, persistent=False, batch_size=BATCH, n=N_SAMPLES, **kw):
-    dataset = Augmented(n)
+def loader(cls, persistent=False, batch_size=BATCH, n=N_SAMPLES, data=Augmented, **kw):
+    dataset = data(n)
     sampler = DistributedSampler(dataset, num_replicas=WORLD, rank=RANK, shuffle=True, seed=5)
 
     def build():
@@ -730,6 +749,20 @@ def main() -> dict:
         meet("done")
         del it
         return {"equal": same([expected], [head + rest]), "batches": len(head + rest)}
+    if CASE == "one_copy":
+        expected = epochs(loader(DataLoader, data=Table), n=1)
+        pool, sampler = loader(PoolLoader, data=Table, node_pool=True)
+        sampler.set_epoch(0)
+        it = iter(pool)
+        start = it._shared_start.ticket[2] if it._shared_start is not None else None
+        # two batches: one from each logical worker, so both node processes loaded
+        # this rank's payload (each hosts one logical worker of each rank)
+        batches = [[t.clone() for t in next(it)] for _ in range(2)]
+        meet("loaded")
+        mapped = {pid: sorted(start_inodes(pid)) for pid in pool._node.pids}
+        meet("read")
+        batches += [[t.clone() for t in b] for b in it]
+        return {"equal": same(expected, [batches]), "start": start, "mapped": mapped}
     if CASE == "rank_killed":
         expected = epochs(loader(DataLoader, n=FAULT_SAMPLES), n=1)
         pool, sampler = loader(PoolLoader, n=FAULT_SAMPLES, node_pool=True)
@@ -1133,6 +1166,13 @@ def pool_inodes() -> list:
             if len(fields) > 5 and ("poolloader-control" in fields[5] or "poolloader-slot" in fields[5]):
                 found.add(int(fields[4]))
     return sorted(found)
+
+
+def start_inodes(pid) -> set:
+    """The inodes of the start payloads (poolloader.main.startup) process `pid` maps."""
+    with open(f"/proc/{pid}/maps") as f:
+        return {int(fields[4]) for fields in (line.split(maxsplit=5) for line in f)
+                if len(fields) > 5 and "poolloader-start" in fields[5]}
 
 
 def read_pid(rank: int) -> int:

@@ -319,6 +319,21 @@ def test_through_torch_distributed_a_rank_that_builds_no_loader_is_named(tmp_pat
     assert "POOLLOADER_NODE_TIMEOUT" in error and 2 <= results[0]["took"] < 20, results
 
 
+def test_node_processes_keep_one_copy_of_an_array_every_rank_built_alike(tmp_path):
+    """Each rank's start payload carries the same 1 MiB array: a node process that
+    hosts a logical worker of each rank maps one rank's payload, not both, and every
+    item's write into its worker's copy stays there (the batches are DataLoader's)."""
+    results, codes, logs = _ranks(tmp_path, "one_copy", 2)
+    assert codes == [0, 0], logs
+    assert all(r["equal"] for r in results), logs
+    starts = {r["start"] for r in results}
+    assert len(starts) == 2 and None not in starts, results
+    mapped = results[0]["mapped"]
+    assert len(mapped) == 2, mapped  # each process hosts a logical worker of each rank
+    for pid, inodes in mapped.items():
+        assert len(inodes) == 1 and set(inodes) <= starts, (pid, inodes, starts)
+
+
 def test_a_killed_rank_is_dropped_and_the_others_go_on(tmp_path):
     results, codes, logs = _ranks(tmp_path, "rank_killed", 2)
     assert codes[1] == -signal.SIGKILL and codes[0] == 0, logs

@@ -62,7 +62,8 @@ class _Group:
         errors: list[BaseException | None] = []
         for cfg in cfgs:  # each its own copy, as each DataLoader worker has
             try:
-                cfg.dataset, cfg.init_fn, cfg.collate_fn = startup.load(cfg.shared)  # type: ignore[arg-type]
+                cfg.dataset, cfg.init_fn, cfg.collate_fn = startup.load(
+                    cfg.shared, across_ranks=True)  # type: ignore[arg-type]
                 errors.append(None)
             except Exception as e:  # reported as that worker's first reply
                 errors.append(e)

@@ -44,14 +44,32 @@ connections (they may be "shared between processes only through inheritance", an
 queue's pipe needs its descriptor passed to each child), and anything else that cannot
 be pickled here: the start pipe then says what is wrong, as DataLoader's does.
 
+A node pool's process (poolloader.worker.node) loads one payload per rank, and the
+local ranks of a job usually build the same dataset: each rank's payload then carries
+the same arrays again, a copy per rank in shared memory. Such a process loads with
+`across_ranks`: an out-of-band buffer whose bytes equal, byte for byte, a buffer of
+another rank's payload it maps already is viewed in a private mapping of that
+payload's segment instead of its own, so the node keeps one copy, and a rank's segment
+whose every buffer was found elsewhere is mapped by nobody once it is unpickled: it
+goes when its rank closes its descriptor. Each load still has mappings of its own
+(copy-on-write), so a write by one rank's worker shows in no other's, as each
+DataLoader worker has its own copy. Candidates are found by length and a checksum of
+each buffer's first and last pages, and compared whole before one is used; the
+process keeps a descriptor of a segment whose buffers may be found this way while any
+mapping of it lives (_Source).
+
 Main's side (SharedStart, share, shares) is poolloader.main.startup; this module is
 the worker's (load, and the two functions the stream calls to rebuild a storage).
 """
 from __future__ import annotations
 
+import os
 import pickle
+import weakref
+import zlib
 from typing import Any
 
+import numpy as np
 import torch
 
 from poolloader.shm.backends import memfd
@@ -63,12 +81,14 @@ from poolloader.shm.backends import memfd
 OUT_OF_BAND_BYTES = 64 << 10
 
 
-def load(ticket: tuple) -> Any:
+def load(ticket: tuple, across_ranks: bool = False) -> Any:
     """Worker side: unpickle the payload main shared (SharedStart.ticket), its
-    out-of-band buffers viewing a private mapping of main's segment (module docstring)."""
+    out-of-band buffers viewing a private mapping of main's segment (module docstring).
+    `across_ranks` (a node pool's process): a buffer equal to one of another payload this
+    process maps views that payload's segment instead."""
     main_pid, fd, inode, size, nbytes, spans = ticket
     try:
-        mapping = memfd.open_private(main_pid, fd, inode, size)
+        mapping, own = memfd.open_private(main_pid, fd, inode, size, keep_fd=True)
     except memfd.StaleHandle:
         raise RuntimeError(
             f"PoolLoader worker: the start arguments main shared (descriptor {fd} of pid "
@@ -77,7 +97,122 @@ def load(ticket: tuple) -> Any:
     view = memoryview(mapping)
     # every array rebuilt from a buffer holds its view, and so the mapping, alive; once
     # the last is gone the mapping is unmapped (nothing closes it while one lives)
-    return pickle.loads(view[:nbytes], buffers=[view[offset:offset + n] for offset, n in spans])
+    if across_ranks:
+        buffers = _found_elsewhere(mapping, own, inode, size, view, spans)
+    else:
+        os.close(own)
+        buffers = [view[offset:offset + n] for offset, n in spans]
+    return pickle.loads(view[:nbytes], buffers=buffers)
+
+
+# what identifies a candidate: the buffer's length and checksums of its first and last
+# SAMPLE bytes (every out-of-band buffer is at least OUT_OF_BAND_BYTES long)
+SAMPLE = 4096
+# bytes compared at a time (numpy makes a boolean array of as many)
+COMPARE_BYTES = 1 << 20
+
+
+class _Source:
+    """A payload's segment this process maps, whose buffers a later load across ranks
+    may view: this process's descriptor of it, kept while any mapping of it made here
+    lives (`watch`), then closed and forgotten (so the segment can go)."""
+
+    __slots__ = ("fd", "inode", "size", "keys", "live", "__weakref__")
+
+    def __init__(self, fd: int, inode: int, size: int):
+        self.fd, self.inode, self.size = fd, inode, size
+        self.keys: list[tuple] = []  # its entries in _FOUND
+        self.live = 0
+
+    def watch(self, mapping) -> None:
+        self.live += 1
+        weakref.finalize(mapping, self._unmapped)
+
+    def _unmapped(self) -> None:
+        self.live -= 1
+        if self.live or self.fd < 0:
+            return
+        for key in self.keys:
+            entries = [e for e in _FOUND.get(key, ()) if e[0] is not self]
+            if entries:
+                _FOUND[key] = entries
+            else:
+                _FOUND.pop(key, None)
+        _SOURCES.pop(self.inode, None)
+        fd, self.fd = self.fd, -1
+        os.close(fd)
+
+
+# key (length, checksums) -> [(source, offset of the buffer in its segment)]
+_FOUND: dict[tuple, list[tuple[_Source, int]]] = {}
+_SOURCES: dict[int, _Source] = {}  # inode -> its source
+
+
+def _forget_in_child() -> None:
+    """A forked child holds copies of the descriptors: closed, and nothing is found."""
+    for source in _SOURCES.values():
+        if source.fd >= 0:
+            os.close(source.fd)
+            source.fd = -1
+    _SOURCES.clear()
+    _FOUND.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
+def _key(buffer: memoryview) -> tuple:
+    return (buffer.nbytes, zlib.crc32(buffer[:SAMPLE]), zlib.crc32(buffer[-SAMPLE:]))
+
+
+def _same_bytes(a: memoryview, b: memoryview) -> bool:
+    x, y = np.frombuffer(a, np.uint8), np.frombuffer(b, np.uint8)
+    return all(np.array_equal(x[i:i + COMPARE_BYTES], y[i:i + COMPARE_BYTES])
+               for i in range(0, len(x), COMPARE_BYTES))
+
+
+def _found_elsewhere(mapping, own: int, inode: int, size: int, view: memoryview,
+                     spans) -> list:
+    """The buffers for load(across_ranks=True): each a view of another segment's equal
+    buffer where there is one (in a mapping made for this load), else of this one's; the
+    buffers of a segment not known yet are recorded for the loads after this one."""
+    known = _SOURCES.get(inode)  # this very segment, loaded before (another logical worker)
+    source = _Source(own, inode, size) if known is None else None
+    elsewhere: dict[_Source, Any] = {}  # another segment -> its mapping for this load
+    buffers = []
+    try:
+        for offset, n in spans:
+            mine = view[offset:offset + n]
+            key = _key(mine)
+            found = None
+            for other, at in _FOUND.get(key, ()):
+                if other.inode == inode or other.fd < 0:
+                    continue
+                theirs = elsewhere.get(other)
+                if theirs is None:
+                    theirs = elsewhere[other] = memfd.map_private(other.fd, other.size)
+                candidate = memoryview(theirs)[at:at + n]
+                if _same_bytes(mine, candidate):
+                    found = candidate
+                    break
+                candidate.release()
+            if found is None and source is not None:
+                source.keys.append(key)
+                _FOUND.setdefault(key, []).append((source, offset))
+            buffers.append(mine if found is None else found)
+    except BaseException:
+        for key in source.keys if source is not None else ():
+            _FOUND[key] = [e for e in _FOUND[key] if e[0] is not source]
+        os.close(own)
+        raise
+    for other, theirs in elsewhere.items():
+        other.watch(theirs)
+    if source is not None and source.keys:
+        _SOURCES[inode] = source
+        source.watch(mapping)
+    else:
+        os.close(own)
+    return buffers
 
 
 def untyped_storage(buffer: Any) -> torch.UntypedStorage:

@@ -397,19 +397,31 @@ def open_segment(main_pid: int, fd: int, inode: int, size: int, keep_fd: bool = 
     return mapping
 
 
-def open_private(main_pid: int, fd: int, inode: int, size: int) -> mmap.mmap:
+def open_private(main_pid: int, fd: int, inode: int, size: int, keep_fd: bool = False):
     """Map main's segment copy-on-write (MAP_PRIVATE, readable and writable) from a
     worker: its pages stay the segment's, shared with every process that maps it, until
     this process writes one, which then becomes this process's own copy; nobody else
     sees that write, and nothing this process does changes the segment. The mapping
     keeps the segment alive (the descriptor is closed here) until the returned mmap is
     unmapped: when it and every buffer exported from it are gone. Raises as
-    open_segment."""
+    open_segment. With `keep_fd`: (mapping, the worker's own descriptor of it), from
+    which map_private makes more mappings of the segment."""
     own = _open_checked(main_pid, fd, inode, size)
     try:
-        return mmap.mmap(own, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
+        mapping = map_private(own, size)
+    except BaseException:
         os.close(own)
+        raise
+    if keep_fd:
+        return mapping, own
+    os.close(own)
+    return mapping
+
+
+def map_private(fd: int, size: int) -> mmap.mmap:
+    """Another copy-on-write mapping (open_private's kind) of a segment this process
+    holds descriptor `fd` of: a write into one mapping shows in no other."""
+    return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
 
 class Segments:
