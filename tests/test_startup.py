@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import time
 
 import proc
 import pytest
 import torch
 from compare import assert_same
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from poolloader import PoolLoader
 
@@ -87,6 +88,43 @@ def test_the_shared_start_is_released_once_every_worker_has_replied():
     assert it._shared_start is None
     assert [b[0][:, 0].tolist() for b in batches] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11],
                                                       [12, 13, 14, 15]]
+
+
+class WaitsForWorker1(Dataset):
+    """One item, which waits (bounded) until worker 1 has run its worker_init_fn."""
+
+    def __init__(self, flag: str):
+        self.flag = flag
+
+    def __len__(self):
+        return 1
+
+    def __getitem__(self, i):
+        deadline = time.monotonic() + 60
+        while not os.path.exists(self.flag):
+            if time.monotonic() > deadline:
+                raise TimeoutError("worker 1 did not start within 60 s")
+            time.sleep(0.01)
+        return i
+
+
+def _flag_from_worker_1(worker_id):
+    if worker_id == 1:
+        open(get_worker_info().dataset.flag, "w").close()
+
+
+def test_the_shared_start_is_released_once_every_worker_has_loaded_it(tmp_path):
+    """Worker 1 gets no request (one batch), so it never replies; it marked its start
+    arguments loaded before its worker_init_fn ran, so main frees them at worker 0's
+    reply."""
+    loader = PoolLoader(WaitsForWorker1(str(tmp_path / "started")), batch_size=1, num_workers=2,
+                        worker_init_fn=_flag_from_worker_1, timeout=120,
+                        multiprocessing_context=multiprocessing.get_context("spawn"))
+    it = iter(loader)
+    assert it._shared_start is not None
+    assert next(it).tolist() == [0]
+    assert it._shared_start is None
+    assert list(it) == []
 
 
 def test_fork_workers_pickle_nothing():

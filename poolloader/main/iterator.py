@@ -50,7 +50,7 @@ from poolloader.main.stats import LoaderStats
 from poolloader.main.teardown import IteratorTeardown
 from poolloader.main.tracked import TrackedNext
 from poolloader.resume.tracker import IteratorSetup, ResumePlan, ResumeTracker
-from poolloader.shm.control import hosted_by
+from poolloader.shm.control import WORKER_LOADED, hosted_by
 from poolloader.shm.pool import SlotPool
 from poolloader.wire import codec
 from poolloader.wire import slot_format as fmt
@@ -212,6 +212,8 @@ class PoolLoaderIter(TrackedNext, RequestScheduling, IteratorTeardown,
             zygote = None if self._node is not None else startup.zygote_for(
                 ctx, getattr(loader, "zygote", None), self._dataset, self._collate_fn, init_fn)
             self._unheard = set(range(first, n)) if shared is not None else set()
+            if self._unheard and self._pool.control is not None:
+                self._pool.control.worker_stats[:, WORKER_LOADED] = 0  # set by each anew
             cfgs = []
             for i in range(n):
                 ticket = shared.ticket if shared is not None and i >= first else None
@@ -420,9 +422,15 @@ class PoolLoaderIter(TrackedNext, RequestScheduling, IteratorTeardown,
         return slot, worker
 
     def _heard(self, worker: int) -> None:
-        """A worker replied, so it loaded its start arguments: once all have, main's
-        copy of them is released (poolloader.main.startup)."""
+        """A worker replied, so it loaded its start arguments, as has any worker that
+        marked them loaded (WORKER_LOADED: a node pool's process loads every logical
+        worker's at once, before any has a request): once all have, main's copy of them
+        is released (poolloader.main.startup)."""
         self._unheard.discard(worker)
+        control = self._pool.control
+        if self._unheard and control is not None:
+            loaded = control.worker_stats[:, WORKER_LOADED]
+            self._unheard = {w for w in self._unheard if not loaded[w]}
         if not self._unheard and self._shared_start is not None:
             self._shared_start.close()
             self._shared_start = None

@@ -28,10 +28,12 @@ the readers below; both sides use these functions only:
                               and the segment's inode; POSIX backend: 0, 0 (the name
                               follows from the prefix, slot and generation)
     B    ack table            num_workers × max_slots u64: generation mapped by each worker
-    S    worker stats         num_workers × 4 u64, written by each worker for itself:
+    S    worker stats         num_workers × 5 u64, written by each worker for itself:
            [0] batches produced  [1] ns producing (fetch + collate + encode)
            [2] ns waiting for a request (idle: no free slot / consumer slow)
            [3] busy stamp: slot being produced and since when (poolloader.worker.stall owns it)
+           [4] 1 once it has loaded its start arguments (WORKER_LOADED: main frees them
+               when every worker has, poolloader.main.startup)
     C    rings                per worker: request ring, done ring (capacity max_slots each)
     D    request doorbells    hosts × DOORBELL_BYTES: host h's is rung by main after a push
                               to the request ring of any worker it hosts (worker w is
@@ -59,6 +61,9 @@ H_MAGIC, H_WORKERS, H_MAX_SLOTS, H_NUM_SLOTS, H_GROWTH, H_MAIN_PID, H_HOSTS, H_R
 # slot table columns (keep in sync with the layout above)
 S_GENERATION, S_SIZE, S_HANDLE_A, S_HANDLE_B = range(4)
 SLOT_ROW_BYTES = 8 * 4
+# worker stats columns (the layout above): the last is WORKER_LOADED
+WORKER_STATS = 5
+WORKER_LOADED = 4
 
 
 def _align(n: int, to: int = 64) -> int:
@@ -83,7 +88,7 @@ class ControlLayout:
         self.slot_table = _align(self.doorbell + DOORBELL_BYTES)
         self.ack_table = _align(self.slot_table + SLOT_ROW_BYTES * max_slots)
         self.worker_stats = _align(self.ack_table + 8 * num_workers * max_slots)
-        self.rings = _align(self.worker_stats + 32 * num_workers)
+        self.rings = _align(self.worker_stats + 8 * WORKER_STATS * num_workers)
         self.ring_bytes = _align(Ring.nbytes(max_slots))
         self.request_doorbells = _align(self.rings + 2 * num_workers * self.ring_bytes)
         self.nbytes = _align(self.request_doorbells + hosts * DOORBELL_BYTES, 4096)
@@ -117,7 +122,7 @@ class Control:
         # acks[w, s] = generation of slot s that worker w has mapped (0: none)
         self.acks = np.ndarray((num_workers, max_slots), np.uint64, buffer=mapping, offset=lay.ack_table)
         # worker_stats[w] = (batches, producing ns, waiting ns, reserved)
-        self.worker_stats = np.ndarray((num_workers, 4), np.uint64, buffer=mapping,
+        self.worker_stats = np.ndarray((num_workers, WORKER_STATS), np.uint64, buffer=mapping,
                                        offset=lay.worker_stats)
         if create:
             self.header[:] = 0

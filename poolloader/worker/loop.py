@@ -33,6 +33,7 @@ from torch.utils.data.graph_settings import apply_random_seed
 
 from poolloader.errors import RingClosed, RingTimeout, SlotCorrupt
 from poolloader.resume.keys import WorkerProgress
+from poolloader.shm.control import WORKER_LOADED
 from poolloader.shm.pool import WorkerSlots
 from poolloader.wire import codec, filling
 from poolloader.wire import slot_format as fmt
@@ -123,6 +124,9 @@ class LogicalWorker:
 
         self.cfg = cfg
         self.id = cfg.worker_id
+        # its start arguments are loaded (it is built after every load of its process):
+        # main may free them before this worker's first reply
+        control.worker_stats[cfg.worker_id][WORKER_LOADED] = 1
         self.where = f"in DataLoader worker process {cfg.worker_id}"
         self._set_environ()
         seed = cfg.base_seed + cfg.worker_id
