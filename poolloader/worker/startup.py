@@ -29,8 +29,9 @@ descriptor. The rest of the stream (Python objects, small arrays, objects that
 rebuild themselves from bytes, non-contiguous numpy arrays, which numpy copies into
 the stream) is unpickled into each worker's own memory, as before.
 
-Main keeps the segment's descriptor until every worker has replied once (so has
-mapped it) and closes it then, or at shutdown; the memory goes with the last worker
+Main keeps the segment's descriptor until every worker has loaded it (marked in the
+control block as the worker is built, WORKER_LOADED, and read at each reply; a reply
+says so too) and closes it then, or at shutdown; the memory goes with the last worker
 that maps it (for persistent workers: when they exit).
 
 Under fork nothing is pickled at all (the child inherits the objects), except for a
