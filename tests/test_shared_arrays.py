@@ -272,3 +272,54 @@ def test_every_kind_of_array_and_tensor_arrives_as_it_left(method):
     assert all(t.untyped_storage().nbytes() >= OUT_OF_BAND_BYTES for t in big)
     assert out_of_band == sum(t.untyped_storage().nbytes() for t in big) + sum(a.nbytes for a in big_np)
 
+
+
+def _load_two_payloads(tickets, out):
+    """A process that loads two ranks' payloads as a node pool's process does (in a
+    child spawned for it): what each array holds after writes, and what it maps."""
+    import numpy as np
+
+    from poolloader.worker import startup
+
+    first = startup.load(tickets[0], across_ranks=True)
+    second = startup.load(tickets[1], across_ranks=True)
+    second["x"][0] = 1.0  # each array is its own, as a DataLoader worker's copy is
+    second["y"][1] = 2.0
+    out.put({"first": [float(first[k].sum()) for k in ("x", "y", "z")],
+             "second": [float(second[k].sum()) for k in ("x", "y", "z")],
+             "z_equal": bool(np.array_equal(first["z"], second["z"])),
+             "mapped": sorted(_start_mappings("self"))})
+
+
+def test_a_node_process_views_arrays_equal_across_ranks_once_each_its_own():
+    """startup.load(across_ranks=True), in a real process over two real payloads: the
+    second payload's arrays equal to the first's view the first's segment (so its own is
+    unmapped), two equal arrays of one payload stay two arrays, and a write shows in
+    nobody else's array."""
+    from poolloader.main.startup import SharedStart
+
+    def payload():
+        return {"x": np.zeros(1 << 17), "y": np.zeros(1 << 17),  # equal to each other
+                "z": np.arange(1 << 17, dtype=np.float64)}
+
+    starts = [SharedStart(payload()), SharedStart(payload())]
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    child = ctx.Process(target=_load_two_payloads, args=([s.ticket for s in starts], out))
+    child.start()
+    try:
+        found = out.get(timeout=TIMEOUT)
+    finally:
+        child.join(TIMEOUT)
+        if child.is_alive():
+            child.kill()
+            child.join(10)
+        for start in starts:
+            start.close()
+    assert child.exitcode == 0
+    z = float(np.arange(1 << 17, dtype=np.float64).sum())
+    assert found["first"] == [0.0, 0.0, z], found
+    assert found["second"] == [1.0, 2.0, z], found
+    assert found["z_equal"]
+    # one payload mapped (the first's; private): the second's arrays were all found there
+    assert [inode for _, inode in found["mapped"]] == [starts[0].ticket[2]], found

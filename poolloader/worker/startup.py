@@ -180,6 +180,9 @@ def _found_elsewhere(mapping, own: int, inode: int, size: int, view: memoryview,
     known = _SOURCES.get(inode)  # this very segment, loaded before (another logical worker)
     source = _Source(own, inode, size) if known is None else None
     elsewhere: dict[_Source, Any] = {}  # another segment -> its mapping for this load
+    # (segment, offset) of the buffers found so far: each serves one buffer of a load,
+    # so two equal arrays of one payload stay two arrays, not views of the same bytes
+    taken: set[tuple[int, int]] = set()
     buffers = []
     try:
         for offset, n in spans:
@@ -187,14 +190,18 @@ def _found_elsewhere(mapping, own: int, inode: int, size: int, view: memoryview,
             key = _key(mine)
             found = None
             for other, at in _FOUND.get(key, ()):
-                if other.inode == inode or other.fd < 0:
+                if other.inode == inode or other.fd < 0 or (other.inode, at) in taken:
                     continue
                 theirs = elsewhere.get(other)
                 if theirs is None:
-                    theirs = elsewhere[other] = memfd.map_private(other.fd, other.size)
+                    try:
+                        theirs = elsewhere[other] = memfd.map_private(other.fd, other.size)
+                    except OSError:  # no mapping to spare (ENOMEM, a map count limit)
+                        continue     # this load keeps its own copy
                 candidate = memoryview(theirs)[at:at + n]
                 if _same_bytes(mine, candidate):
                     found = candidate
+                    taken.add((other.inode, at))
                     break
                 candidate.release()
             if found is None and source is not None:
