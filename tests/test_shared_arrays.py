@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing
+import os
 import pickle
 import random
 
@@ -274,38 +275,71 @@ def test_every_kind_of_array_and_tensor_arrives_as_it_left(method):
 
 
 
-def _load_two_payloads(tickets, out):
-    """A process that loads two ranks' payloads as a node pool's process does (in a
-    child spawned for it): what each array holds after writes, and what it maps."""
-    import numpy as np
+class _FailsToLoad:
+    """Unpickles into an error (a payload a node process cannot load)."""
+
+    def __reduce__(self):
+        return _refuse, ()
+
+
+def _refuse():
+    raise RuntimeError("this payload does not load here")
+
+
+def _start_fds() -> int:
+    return sum(os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:poolloader-start")
+               for fd in os.listdir("/proc/self/fd") if os.path.exists(f"/proc/self/fd/{fd}"))
+
+
+def _load_payloads(tickets, out):
+    """As a node pool's process loads them (in a child spawned for it): rank A's payload
+    twice (two logical workers), then rank B's, then one that fails; what each array
+    holds after a write into each, what the process maps, and what it keeps after."""
+    import gc
 
     from poolloader.worker import startup
 
-    first = startup.load(tickets[0], across_ranks=True)
-    second = startup.load(tickets[1], across_ranks=True)
-    second["x"][0] = 1.0  # each array is its own, as a DataLoader worker's copy is
-    second["y"][1] = 2.0
-    out.put({"first": [float(first[k].sum()) for k in ("x", "y", "z")],
-             "second": [float(second[k].sum()) for k in ("x", "y", "z")],
-             "z_equal": bool(np.array_equal(first["z"], second["z"])),
-             "mapped": sorted(_start_mappings("self"))})
+    found: dict = {}
+    a1, a2, b = (startup.load(t, across_ranks=found) for t in tickets[:3])
+    for k, loaded in enumerate((a1, a2, b)):  # each array is its own, as a DataLoader
+        loaded["x"][0] = 1.0 + k              # worker's copy is
+        loaded["y"][1] = 10.0 + k
+    sums = [[float(loaded[k].sum()) for k in ("x", "y", "z")] for loaded in (a1, a2, b)]
+    mapped = sorted(inode for _, inode in _start_mappings("self"))
+    kept = len(startup._SOURCES)
+    error = None
+    try:
+        startup.load(tickets[3], across_ranks=found)
+    except RuntimeError as e:
+        error = e  # kept, as a node process keeps it for the worker's first reply
+    kept_after_failure = len(startup._SOURCES)
+    failed = str(error)
+    del a1, a2, b, loaded, error
+    gc.collect()
+    out.put({"sums": sums, "mapped": mapped, "kept": kept, "failed": failed,
+             "kept_after_failure": kept_after_failure,
+             "left": [len(startup._SOURCES), len(startup._FOUND), _start_fds(),
+                      len(_start_mappings("self"))]})
 
 
 def test_a_node_process_views_arrays_equal_across_ranks_once_each_its_own():
-    """startup.load(across_ranks=True), in a real process over two real payloads: the
-    second payload's arrays equal to the first's view the first's segment (so its own is
-    unmapped), two equal arrays of one payload stay two arrays, and a write shows in
-    nobody else's array."""
+    """startup.load(across_ranks=...), in a real process over real payloads: the second
+    rank's arrays equal to the first's view the first's segment (its own is unmapped),
+    two equal arrays of one payload stay two arrays, a write shows in no other load's
+    array, a payload that fails to load is not kept, and once the arrays are gone the
+    process keeps no descriptor, mapping or record of any payload."""
     from poolloader.main.startup import SharedStart
 
     def payload():
         return {"x": np.zeros(1 << 17), "y": np.zeros(1 << 17),  # equal to each other
                 "z": np.arange(1 << 17, dtype=np.float64)}
 
-    starts = [SharedStart(payload()), SharedStart(payload())]
+    starts = [SharedStart(payload()), SharedStart(payload()),
+              SharedStart({"w": np.full(1 << 17, 7.0), "bad": _FailsToLoad()})]  # w: found nowhere
+    tickets = [starts[0].ticket, starts[0].ticket, starts[1].ticket, starts[2].ticket]
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    child = ctx.Process(target=_load_two_payloads, args=([s.ticket for s in starts], out))
+    child = ctx.Process(target=_load_payloads, args=(tickets, out))
     child.start()
     try:
         found = out.get(timeout=TIMEOUT)
@@ -318,8 +352,10 @@ def test_a_node_process_views_arrays_equal_across_ranks_once_each_its_own():
             start.close()
     assert child.exitcode == 0
     z = float(np.arange(1 << 17, dtype=np.float64).sum())
-    assert found["first"] == [0.0, 0.0, z], found
-    assert found["second"] == [1.0, 2.0, z], found
-    assert found["z_equal"]
-    # one payload mapped (the first's; private): the second's arrays were all found there
-    assert [inode for _, inode in found["mapped"]] == [starts[0].ticket[2]], found
+    assert found["sums"] == [[1.0, 10.0, z], [2.0, 11.0, z], [3.0, 12.0, z]], found
+    # rank A's segment only (privately: once per load of it, once for B's); B's arrays
+    # were all found there
+    assert found["mapped"] == [starts[0].ticket[2]], found
+    assert found["kept"] == 1 and found["kept_after_failure"] == 1, found
+    assert found["failed"] == "this payload does not load here", found
+    assert found["left"] == [0, 0, 0, 0], found

@@ -213,7 +213,8 @@ class PoolLoaderIter(TrackedNext, RequestScheduling, IteratorTeardown,
                 ctx, getattr(loader, "zygote", None), self._dataset, self._collate_fn, init_fn)
             self._unheard = set(range(first, n)) if shared is not None else set()
             if self._unheard and self._pool.control is not None:
-                self._pool.control.worker_stats[:, WORKER_LOADED] = 0  # set by each anew
+                # a new block is zeroed; this start's workers must each mark it anew
+                self._pool.control.worker_stats[:, WORKER_LOADED] = 0
             cfgs = []
             for i in range(n):
                 ticket = shared.ticket if shared is not None and i >= first else None

@@ -33,7 +33,7 @@ the readers below; both sides use these functions only:
            [2] ns waiting for a request (idle: no free slot / consumer slow)
            [3] busy stamp: slot being produced and since when (poolloader.worker.stall owns it)
            [4] 1 once it has loaded its start arguments (WORKER_LOADED: main frees them
-               when every worker has, poolloader.main.startup)
+               when every worker has, PoolLoaderIter._heard in poolloader.main.iterator)
     C    rings                per worker: request ring, done ring (capacity max_slots each)
     D    request doorbells    hosts × DOORBELL_BYTES: host h's is rung by main after a push
                               to the request ring of any worker it hosts (worker w is
@@ -121,7 +121,7 @@ class Control:
         self.slot_table = np.ndarray((max_slots, 4), np.uint64, buffer=mapping, offset=lay.slot_table)
         # acks[w, s] = generation of slot s that worker w has mapped (0: none)
         self.acks = np.ndarray((num_workers, max_slots), np.uint64, buffer=mapping, offset=lay.ack_table)
-        # worker_stats[w] = (batches, producing ns, waiting ns, reserved)
+        # worker_stats[w] = (batches, producing ns, waiting ns, busy stamp, loaded)
         self.worker_stats = np.ndarray((num_workers, WORKER_STATS), np.uint64, buffer=mapping,
                                        offset=lay.worker_stats)
         if create:

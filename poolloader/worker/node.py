@@ -60,10 +60,11 @@ class _Group:
         if current is not None:
             current.leave()  # unpickling and building a logical worker may draw and seed
         errors: list[BaseException | None] = []
+        found: dict = {}  # where the payload's arrays were found: compared once
         for cfg in cfgs:  # each its own copy, as each DataLoader worker has
             try:
                 cfg.dataset, cfg.init_fn, cfg.collate_fn = startup.load(
-                    cfg.shared, across_ranks=True)  # type: ignore[arg-type]
+                    cfg.shared, across_ranks=found)  # type: ignore[arg-type]
                 errors.append(None)
             except Exception as e:  # reported as that worker's first reply
                 errors.append(e)

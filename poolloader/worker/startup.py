@@ -57,7 +57,8 @@ goes when its rank closes its descriptor. Each load still has mappings of its ow
 DataLoader worker has its own copy. Candidates are found by length and a checksum of
 each buffer's first and last pages, and compared whole before one is used; the
 process keeps a descriptor of a segment whose buffers may be found this way while any
-mapping of it lives (_Source).
+mapping of it lives (_Source), and the loads of one rank's logical workers compare its
+bytes once.
 
 Main's side (SharedStart, share, shares) is poolloader.main.startup; this module is
 the worker's (load, and the two functions the stream calls to rebuild a storage).
@@ -82,11 +83,15 @@ from poolloader.shm.backends import memfd
 OUT_OF_BAND_BYTES = 64 << 10
 
 
-def load(ticket: tuple, across_ranks: bool = False) -> Any:
+def load(ticket: tuple, across_ranks: dict | None = None) -> Any:
     """Worker side: unpickle the payload main shared (SharedStart.ticket), its
     out-of-band buffers viewing a private mapping of main's segment (module docstring).
     `across_ranks` (a node pool's process): a buffer equal to one of another payload this
-    process maps views that payload's segment instead."""
+    process maps views that payload's segment instead. The dict keeps, per payload,
+    where each of its buffers was found, so that the loads of one payload (a rank's
+    logical workers in this process) compare its bytes once: give the same dict to
+    loads made one after another, while their payloads' owners keep them (a dict
+    kept longer could meet a new segment under a freed one's inode)."""
     main_pid, fd, inode, size, nbytes, spans = ticket
     try:
         mapping, own = memfd.open_private(main_pid, fd, inode, size, keep_fd=True)
@@ -98,12 +103,17 @@ def load(ticket: tuple, across_ranks: bool = False) -> Any:
     view = memoryview(mapping)
     # every array rebuilt from a buffer holds its view, and so the mapping, alive; once
     # the last is gone the mapping is unmapped (nothing closes it while one lives)
-    if across_ranks:
-        buffers = _found_elsewhere(mapping, own, inode, size, view, spans)
-    else:
+    if across_ranks is None:
         os.close(own)
-        buffers = [view[offset:offset + n] for offset, n in spans]
-    return pickle.loads(view[:nbytes], buffers=buffers)
+        return pickle.loads(view[:nbytes], buffers=[view[offset:offset + n] for offset, n in spans])
+    try:
+        found = _Found(across_ranks.setdefault(inode, {}), inode, view, spans)
+        payload = pickle.loads(view[:nbytes], buffers=found.buffers)
+    except BaseException:
+        os.close(own)
+        raise
+    found.keep(mapping, own, size)  # only now: a load that failed registers nothing
+    return payload
 
 
 # what identifies a candidate: the buffer's length and checksums of its first and last
@@ -120,9 +130,9 @@ class _Source:
 
     __slots__ = ("fd", "inode", "size", "keys", "live", "__weakref__")
 
-    def __init__(self, fd: int, inode: int, size: int):
+    def __init__(self, fd: int, inode: int, size: int, keys: list):
         self.fd, self.inode, self.size = fd, inode, size
-        self.keys: list[tuple] = []  # its entries in _FOUND
+        self.keys = keys  # its entries in _FOUND
         self.live = 0
 
     def watch(self, mapping) -> None:
@@ -172,55 +182,71 @@ def _same_bytes(a: memoryview, b: memoryview) -> bool:
                for i in range(0, len(x), COMPARE_BYTES))
 
 
-def _found_elsewhere(mapping, own: int, inode: int, size: int, view: memoryview,
-                     spans) -> list:
-    """The buffers for load(across_ranks=True): each a view of another segment's equal
-    buffer where there is one (in a mapping made for this load), else of this one's; the
-    buffers of a segment not known yet are recorded for the loads after this one."""
-    known = _SOURCES.get(inode)  # this very segment, loaded before (another logical worker)
-    source = _Source(own, inode, size) if known is None else None
-    elsewhere: dict[_Source, Any] = {}  # another segment -> its mapping for this load
-    # (segment, offset) of the buffers found so far: each serves one buffer of a load,
-    # so two equal arrays of one payload stay two arrays, not views of the same bytes
-    taken: set[tuple[int, int]] = set()
-    buffers = []
-    try:
+class _Found:
+    """The buffers of one load(across_ranks=...): each a view of another segment's equal
+    buffer where there is one (in a mapping made for this load: a write shows in no
+    other load's arrays), else of this segment's own; `keep` then records, for the
+    loads after it, this segment's buffers found nowhere (unless it is known already:
+    another logical worker of the same rank loaded it)."""
+
+    def __init__(self, decided: dict, inode: int, view: memoryview, spans):
+        self.inode = inode
+        self.mappings: dict[_Source, Any] = {}  # another segment -> its mapping for this load
+        self.unfound: list[tuple[tuple, int]] = []  # (key, offset) of buffers found nowhere
+        # each (segment, offset) found serves one buffer of a load, so two equal arrays
+        # of one payload stay two arrays, not views of the same bytes
+        taken: set[tuple[int, int]] = set()
+        self.buffers = []
         for offset, n in spans:
             mine = view[offset:offset + n]
-            key = _key(mine)
+            where = decided.get(offset)
+            if where is None or (where[0] is not None and where[0].fd < 0):
+                # not compared yet, or the source found then is gone
+                where = decided[offset] = self._find(mine, taken)
             found = None
-            for other, at in _FOUND.get(key, ()):
-                if other.inode == inode or other.fd < 0 or (other.inode, at) in taken:
-                    continue
-                theirs = elsewhere.get(other)
-                if theirs is None:
-                    try:
-                        theirs = elsewhere[other] = memfd.map_private(other.fd, other.size)
-                    except OSError:  # no mapping to spare (ENOMEM, a map count limit)
-                        continue     # this load keeps its own copy
-                candidate = memoryview(theirs)[at:at + n]
-                if _same_bytes(mine, candidate):
-                    found = candidate
-                    taken.add((other.inode, at))
-                    break
-                candidate.release()
-            if found is None and source is not None:
-                source.keys.append(key)
+            if where[0] is not None:
+                found = self._view(where[0], where[1], n)
+            if found is None:
+                self.unfound.append((where[2], offset))
+            else:
+                taken.add((where[0].inode, where[1]))
+            self.buffers.append(mine if found is None else found)
+
+    def _find(self, mine: memoryview, taken: set) -> tuple:
+        """(source, offset there, key) of a buffer equal to `mine` in another segment
+        this process keeps (not `taken` by this load), or (None, 0, key)."""
+        key = _key(mine)
+        for other, at in _FOUND.get(key, ()):
+            if other.inode == self.inode or other.fd < 0 or (other.inode, at) in taken:
+                continue
+            candidate = self._view(other, at, mine.nbytes)
+            if candidate is not None and _same_bytes(mine, candidate):
+                return other, at, key
+        return None, 0, key
+
+    def _view(self, other: _Source, at: int, n: int) -> memoryview | None:
+        theirs = self.mappings.get(other)
+        if theirs is None:
+            try:
+                theirs = self.mappings[other] = memfd.map_private(other.fd, other.size)
+            except OSError:  # no mapping to spare (ENOMEM, a map count limit): this
+                return None  # load keeps its own copy
+        return memoryview(theirs)[at:at + n]
+
+    def keep(self, mapping, own: int, size: int) -> None:
+        """After a successful load: the other segments' mappings it uses are watched,
+        and this segment is recorded (its descriptor kept) if any buffer of it was found
+        nowhere and it is not known yet; else its descriptor is closed."""
+        for other, theirs in self.mappings.items():
+            other.watch(theirs)
+        if self.unfound and self.inode not in _SOURCES:
+            source = _Source(own, self.inode, size, [key for key, _ in self.unfound])
+            for key, offset in self.unfound:
                 _FOUND.setdefault(key, []).append((source, offset))
-            buffers.append(mine if found is None else found)
-    except BaseException:
-        for key in source.keys if source is not None else ():
-            _FOUND[key] = [e for e in _FOUND[key] if e[0] is not source]
-        os.close(own)
-        raise
-    for other, theirs in elsewhere.items():
-        other.watch(theirs)
-    if source is not None and source.keys:
-        _SOURCES[inode] = source
-        source.watch(mapping)
-    else:
-        os.close(own)
-    return buffers
+            _SOURCES[self.inode] = source
+            source.watch(mapping)
+        else:
+            os.close(own)
 
 
 def untyped_storage(buffer: Any) -> torch.UntypedStorage:

@@ -402,10 +402,10 @@ def open_private(main_pid: int, fd: int, inode: int, size: int, keep_fd: bool = 
     worker: its pages stay the segment's, shared with every process that maps it, until
     this process writes one, which then becomes this process's own copy; nobody else
     sees that write, and nothing this process does changes the segment. The mapping
-    keeps the segment alive (the descriptor is closed here) until the returned mmap is
-    unmapped: when it and every buffer exported from it are gone. Raises as
-    open_segment. With `keep_fd`: (mapping, the worker's own descriptor of it), from
-    which map_private makes more mappings of the segment."""
+    keeps the segment alive until the returned mmap is unmapped: when it and every
+    buffer exported from it are gone. The descriptor opened for it is closed here, or
+    with `keep_fd` returned too, (mapping, descriptor), for map_private to make more
+    mappings of the segment. Raises as open_segment."""
     own = _open_checked(main_pid, fd, inode, size)
     try:
         mapping = map_private(own, size)
