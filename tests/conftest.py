@@ -71,6 +71,7 @@ import signal
 import time
 import uuid
 
+import _rank_zygote as rank_zygote
 import proc
 import pytest
 
@@ -91,6 +92,7 @@ def pytest_configure(config):
 
 
 def pytest_unconfigure(config):
+    rank_zygote.stop()
     global _backstop_fd
     if _backstop_fd is not None:
         os.close(_backstop_fd)
@@ -164,24 +166,26 @@ def _foreign(names, tree):
 
 
 def _service_pids():
-    """multiprocessing's session-long helper processes, if started, and poolloader's
-    zygotes (poolloader.worker.zygote: one per start method, reused by every test)."""
+    """multiprocessing's session-long helper processes, if started, poolloader's
+    zygotes (poolloader.worker.zygote: one per start method, reused by every test) and
+    the ranks' (tests/_rank_zygote.py)."""
     from multiprocessing import forkserver, resource_tracker
 
     from poolloader.worker import zygote
 
     pids = {getattr(resource_tracker._resource_tracker, "_pid", None),
-            getattr(forkserver._forkserver, "_forkserver_pid", None), *zygote.pids()}
+            getattr(forkserver._forkserver, "_forkserver_pid", None), *zygote.pids(),
+            *rank_zygote.pids()}
     return {pid for pid in pids if pid}
 
 
 def _children(table):
     """This process's live children and those of its zygotes (the workers they forked
-    for this process's loaders)."""
+    for this process's loaders, the ranks the ranks' zygote forked)."""
     from poolloader.worker import zygote
 
     found = proc.live_children(table)
-    for pid in zygote.pids():
+    for pid in [*zygote.pids(), *rank_zygote.pids()]:
         found.update(proc.live_children(table, pid))
     return found
 

@@ -4,7 +4,9 @@ and each rank's batches stay its own DataLoader's.
 Each test starts 2 or 3 ranks as torchrun starts them (tests/_node_children.py, with
 LOCAL_RANK, LOCAL_WORLD_SIZE and a TORCHELASTIC_RUN_ID of its own), each in its own
 session, killed with whatever it started if the test overruns; tests/test_train_script.py
-runs it under torchrun itself.
+runs it under torchrun itself. The ranks are forks of one process of the session that has
+imported torch (tests/_rank_zygote.py: a rank's start was mostly that import), except
+`dist=True` ones, each the child of its own shell.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import sys
 import time
 import uuid
 
+import _rank_zygote as rank_zygote
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -67,9 +70,11 @@ def _ranks(tmp_path, case: str, world: int, arg: str = "", env=None, nodes: int 
             command = [sys.executable, CHILD, case, str(tmp_path), arg]
             if dist:  # each rank a child of its own shell: no common parent to vouch for it
                 command = ["/bin/sh", "-c", '"$@"; exit $?', "sh", *command]
-            procs.append(subprocess.Popen(command,
-                                          env=child_env, stdout=log, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, start_new_session=True))
+                procs.append(subprocess.Popen(command,
+                                              env=child_env, stdout=log, stderr=subprocess.STDOUT,
+                                              stdin=subprocess.DEVNULL, start_new_session=True))
+            else:  # `python CHILD ...` forked from a process that imported torch (its docstring)
+                procs.append(rank_zygote.start(command[1:], child_env, log.name))
         deadline = time.monotonic() + DEADLINE_S
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
             time.sleep(0.05)
