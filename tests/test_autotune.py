@@ -323,9 +323,14 @@ def _paced_epochs(pace_file, phases):
     return run
 
 
+def _within_moves(moves):
+    """The moves made inside an epoch that changed the count."""
+    return [m for m in moves if m.within and m.frm != m.to]
+
+
 def _within(moves):
     """The moves made inside an epoch, as (epoch, frm, to)."""
-    return [(m.epoch, m.frm, m.to) for m in moves if m.within and m.frm != m.to]
+    return [(m.epoch, m.frm, m.to) for m in _within_moves(moves)]
 
 
 @pytest.mark.parametrize("persistent,context", [(False, "fork"), (True, "forkserver")])
@@ -349,11 +354,21 @@ def test_the_count_moves_within_an_epoch_and_every_batch_stays_dataloaders(
     ref, got = both_loaders(make, _paced_epochs(pace, [MAIN_BOUND, WORKER_BOUND]))
     assert len(ref) == len(got) == 2 * (EPOCH_BATCHES + 1)
     assert_same(ref, got, "epochs")  # every batch, and main's RNG after each epoch
-    moves = _within(loaders[1].stats.auto_moves)
+    record = loaders[1].stats.auto_moves
+    moves = _within(record)
     # main-bound: processes go inside the first epoch; worker-bound: they come back
     # inside the second
-    assert any(e == 1 and to < frm for e, frm, to in moves), loaders[1].stats.auto_moves
-    assert any(e == 2 and to > frm for e, frm, to in moves), loaders[1].stats.auto_moves
+    within = _within_moves(record)
+    lowered = [k for k, m in enumerate(within) if m.epoch == 1 and m.to < m.frm]
+    assert lowered, record
+    raised = [m for m in within[lowered[0] + 1:] if m.to > m.frm]
+    if [m.to for m in record if m.epoch == 1][-1] < 4:
+        assert any(m.epoch == 2 for m in raised), record
+    else:
+        # a busy machine can make main wait inside the main-bound epoch too (the
+        # consumer's 10 ms a batch against 4 processes on 2 loaded cores): the count
+        # came back there, by the same rule, and had no room left to grow in the second
+        assert any(m.epoch == 1 and m.waited >= autotune.RAISE_AT for m in raised), record
     # each move stopped processes that owed batches: none was lost or repeated (above)
     assert len(owed) == len(moves) and all(sum(o) > 0 for o in owed), owed
 
