@@ -556,9 +556,13 @@ def main() -> dict:
             it_loader = host_first(build) if pool else build()
             out, counts, pids = [], [], []
             for epoch, (pace, step) in enumerate(phases):
+                # the pace moves the processes only: DataLoader's reference run goes
+                # unpaced (the same batches, sooner)
+                if not pool:
+                    pace, step = 0.0, 0.0
                 dataset.pace = pace
                 if persistent and RANK == 0:
-                    set_pace(pace if pool else 0.0)
+                    set_pace(pace)
                 sampler.set_epoch(epoch)
                 # the last epoch (after the move up): "client_first": rank 1 attaches
                 # before the host moves, so the replaced process serves it that epoch;

@@ -355,7 +355,6 @@ def test_the_count_moves_within_an_epoch_and_every_batch_stays_dataloaders(
     assert len(ref) == len(got) == 2 * (EPOCH_BATCHES + 1)
     assert_same(ref, got, "epochs")  # every batch, and main's RNG after each epoch
     record = loaders[1].stats.auto_moves
-    moves = _within(record)
     # main-bound: processes go inside the first epoch; worker-bound: they come back
     # inside the second
     within = _within_moves(record)
@@ -370,7 +369,7 @@ def test_the_count_moves_within_an_epoch_and_every_batch_stays_dataloaders(
         # came back there, by the same rule, and had no room left to grow in the second
         assert any(m.epoch == 1 and m.waited >= autotune.RAISE_AT for m in raised), record
     # each move stopped processes that owed batches: none was lost or repeated (above)
-    assert len(owed) == len(moves) and all(sum(o) > 0 for o in owed), owed
+    assert len(owed) == len(within) and all(sum(o) > 0 for o in owed), owed
 
 
 def test_a_state_saved_after_a_move_within_the_epoch_resumes_exactly(short_windows, tmp_path):
