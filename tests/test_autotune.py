@@ -47,11 +47,12 @@ def _epochs(phases):
     batches of each epoch and, for a PoolLoader, its process count in each."""
     def run(loader):
         epochs, counts = [], []
+        paced = isinstance(loader, PoolLoader)  # DataLoader's reference: the same batches, sooner
         for phase in phases:
-            loader.dataset.sample_s = 0.01 if phase == WORKER_BOUND else 0.0
+            loader.dataset.sample_s = 0.01 if paced and phase == WORKER_BOUND else 0.0
             batches = []
             for batch in loader:
-                if phase == MAIN_BOUND:
+                if paced and phase == MAIN_BOUND:
                     time.sleep(0.05)
                 batches.append(batch)
             epochs.append(batches)
@@ -312,10 +313,11 @@ def _paced_epochs(pace_file, phases):
     touch it)."""
     def run(loader):
         out = []
+        paced = isinstance(loader, PoolLoader)  # DataLoader's reference: the same batches, sooner
         for phase in phases:
-            pace_file.write_text("0.01" if phase == WORKER_BOUND else "0")
+            pace_file.write_text("0.01" if paced and phase == WORKER_BOUND else "0")
             for batch in loader:
-                if phase == MAIN_BOUND:
+                if paced and phase == MAIN_BOUND:
                     time.sleep(0.01)
                 out.append(batch)
             out.append({"main_rng": torch.rand(2)})
