@@ -38,6 +38,7 @@ code as the user.
 """
 from __future__ import annotations
 
+import copyreg
 import ctypes
 import io
 import pickle
@@ -322,6 +323,46 @@ def _checked_find_class(unpickler: pickle.Unpickler, module, name):
     return pickle.Unpickler.find_class(unpickler, module, name)
 
 
+# The tensors a skeleton's persistent ids become are made below autograd's view
+# tracking (torch's ADInplaceOrView dispatch key), as torch.load's and DataLoader's
+# rebuilt tensors are made by set_(): none is a view of another (`_base` is None) and
+# each has a version counter of its own, so an in-place write into one field (another
+# small tensor of the same dtype) does not fail autograd's check of a field it saved
+# for backward. It costs less than a tracked view, too (one kernel call, no view
+# record). Only while nothing but ids and pickle's own containers are built: a skeleton
+# that names a global other than _GUARDED_GLOBAL is unpickled with autograd whole, as
+# before, since a user's reduce function may compute with tensors.
+_BELOW_VIEW_TRACKING = getattr(torch._C, "_AutoDispatchBelowADInplaceOrView", None)
+_STACK_GLOBAL = pickle.STACK_GLOBAL
+
+
+def _global_bytes(module: str, name: str) -> bytes:
+    """How a protocol-5 skeleton names a global the first time: the module and name
+    strings (each memoized) and STACK_GLOBAL."""
+    m, n = module.encode(), name.encode()
+    return (pickle.SHORT_BINUNICODE + bytes([len(m)]) + m + pickle.MEMOIZE
+            + pickle.SHORT_BINUNICODE + bytes([len(n)]) + n + pickle.MEMOIZE + _STACK_GLOBAL)
+
+
+# what the unpickler resolves EXT codes by (add_extension fills this dict in place)
+_EXTENSIONS = copyreg._inverted_registry  # type: ignore[attr-defined]
+# PackedTargets' rebuild, which makes no tensor of its own (poolloader.detection)
+_GUARDED_GLOBAL = _global_bytes("poolloader.detection", "_rebuild_packed")
+
+
+def _views_untracked(skeleton: bytes) -> bool:
+    """Whether every STACK_GLOBAL byte of the skeleton ends a _GUARDED_GLOBAL: then it
+    names no other global. A byte 0x93 in the data, a memoized module name or a large
+    skeleton's frame boundary only make it False (autograd as before), never True
+    wrongly: protocol 5 names every global with STACK_GLOBAL, save those registered with
+    copyreg.add_extension (EXT1/2/4 codes), which no skeleton can name while this
+    process registered none."""
+    if _EXTENSIONS:
+        return False
+    stack_globals = skeleton.count(_STACK_GLOBAL)
+    return not stack_globals or stack_globals == skeleton.count(_GUARDED_GLOBAL)
+
+
 class _FallbackUnpickler(pickle.Unpickler):
     find_class = _checked_find_class
 
@@ -461,7 +502,12 @@ def decode(mapping, header: np.ndarray, registry: dict | None = None, on_release
     unpickler = (_SparseSkeletonUnpickler if _SPARSE_REBUILD in skeleton else _SkeletonUnpickler)(
         io.BytesIO(skeleton), lease, small, small_buffer)
     try:
-        payload = unpickler.load()
+        below = _BELOW_VIEW_TRACKING
+        if below is not None and _views_untracked(skeleton):
+            with below():
+                payload = unpickler.load()
+        else:
+            payload = unpickler.load()
     except SlotCorrupt:
         raise
     except Exception as e:
