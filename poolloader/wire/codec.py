@@ -38,10 +38,10 @@ code as the user.
 """
 from __future__ import annotations
 
-import copyreg
 import ctypes
 import io
 import pickle
+import types
 import zlib
 from typing import Literal
 
@@ -172,6 +172,22 @@ def _plain_tensor(t: torch.Tensor) -> bool:
             and not (t.requires_grad or t.is_conj() or t.is_neg()))
 
 
+# What pickle carries with its own opcodes, naming no global.
+_PLAIN_TYPES = frozenset({type(None), bool, int, float, str, bytes, bytearray, tuple, list,
+                          dict, set, frozenset})
+# Batch types, and the functions their pickling names, whose rebuild makes no tensor of
+# its own (poolloader.detection registers PackedTargets): see VIEWS_UNTRACKED.
+_UNTRACKED_TYPES: set = set()
+_UNTRACKED_FUNCTIONS: set = set()
+
+
+def allow_untracked(batch_type: type, *functions) -> None:
+    """Let skeletons holding `batch_type` (pickled by naming `functions`) keep
+    VIEWS_UNTRACKED: its rebuild must make no tensor and call nothing of the user's."""
+    _UNTRACKED_TYPES.add(batch_type)
+    _UNTRACKED_FUNCTIONS.update(functions)
+
+
 class _SkeletonPickler(pickle.Pickler):
     def __init__(self, file, writer: SlotWriter):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
@@ -180,14 +196,23 @@ class _SkeletonPickler(pickle.Pickler):
         self.keep: list = []
         self.small: list = []  # (tensor or array, nbytes, offset in the small block)
         self.small_len = 0
+        self.names_globals = False  # pickled an object that names a global (VIEWS_UNTRACKED)
 
     def persistent_id(self, obj):
+        # called by pickle for every object it saves (the ids themselves excepted)
         kind = type(obj)
         if kind is torch.Tensor:
-            return self._tensor(obj)
-        if kind is np.ndarray:
-            return self._array(obj)
-        return None
+            pid = self._tensor(obj)
+        elif kind is np.ndarray:
+            pid = self._array(obj)
+        else:
+            if not (kind in _PLAIN_TYPES or kind in _UNTRACKED_TYPES
+                    or (kind is types.FunctionType and obj in _UNTRACKED_FUNCTIONS)):
+                self.names_globals = True
+            return None
+        if pid is None or pid[0] == PID_PICKLED:  # pickled by torch's or numpy's reducers
+            self.names_globals = True
+        return pid
 
     def _small(self, nbytes: int) -> int | None:
         if nbytes > SMALL_TENSOR_BYTES or self.small_len + nbytes > SMALL_BATCH_BYTES:
@@ -278,6 +303,8 @@ def encode(writer: SlotWriter, header: np.ndarray, payload, status: int) -> None
     buf = io.BytesIO()
     pickler = _SkeletonPickler(buf, writer)
     pickler.dump(payload)
+    if not pickler.names_globals:
+        buf.write(VIEWS_UNTRACKED)
     skeleton = buf.getbuffer()
     small_off = align64(writer.cursor)
     small_len = align64(pickler.small_len)
@@ -323,45 +350,17 @@ def _checked_find_class(unpickler: pickle.Unpickler, module, name):
     return pickle.Unpickler.find_class(unpickler, module, name)
 
 
-# The tensors a skeleton's persistent ids become are made below autograd's view
-# tracking (torch's ADInplaceOrView dispatch key), as torch.load's and DataLoader's
-# rebuilt tensors are made by set_(): none is a view of another (`_base` is None) and
-# each has a version counter of its own, so an in-place write into one field (another
-# small tensor of the same dtype) does not fail autograd's check of a field it saved
-# for backward. It costs less than a tracked view, too (one kernel call, no view
-# record). Only while nothing but ids and pickle's own containers are built: a skeleton
-# that names a global other than _GUARDED_GLOBAL is unpickled with autograd whole, as
-# before, since a user's reduce function may compute with tensors.
+# A skeleton whose pickling named no global (save those of allow_untracked) ends with
+# this byte after pickle's STOP (a pickle ends with STOP, so no other skeleton does):
+# main then makes its tensors below autograd's view tracking (torch's ADInplaceOrView
+# dispatch key), as torch.load and DataLoader's main make theirs with set_(): none
+# is a view of another (`_base` is None) and each has a version counter of its own,
+# so an in-place write into one field (another small tensor of the same dtype) does
+# not fail autograd's check of a field it saved for backward. It costs less than a
+# tracked view, too. A skeleton that names any other global (a user's reduce function
+# may compute with tensors) is unpickled with autograd whole, its tensors views.
+VIEWS_UNTRACKED = b"\x00"
 _BELOW_VIEW_TRACKING = getattr(torch._C, "_AutoDispatchBelowADInplaceOrView", None)
-_STACK_GLOBAL = pickle.STACK_GLOBAL
-
-
-def _global_bytes(module: str, name: str) -> bytes:
-    """How a protocol-5 skeleton names a global the first time: the module and name
-    strings (each memoized) and STACK_GLOBAL."""
-    m, n = module.encode(), name.encode()
-    return (pickle.SHORT_BINUNICODE + bytes([len(m)]) + m + pickle.MEMOIZE
-            + pickle.SHORT_BINUNICODE + bytes([len(n)]) + n + pickle.MEMOIZE + _STACK_GLOBAL)
-
-
-# what the unpickler resolves EXT codes by (add_extension fills this dict in place)
-_EXTENSIONS = copyreg._inverted_registry  # type: ignore[attr-defined]
-# PackedTargets' rebuild, which makes no tensor of its own (poolloader.detection)
-_GUARDED_GLOBAL = _global_bytes("poolloader.detection", "_rebuild_packed")
-
-
-def _views_untracked(skeleton: bytes) -> bool:
-    """Whether every STACK_GLOBAL byte of the skeleton ends a _GUARDED_GLOBAL: then it
-    names no other global. A byte 0x93 in the data, a memoized module name or a large
-    skeleton's frame boundary only make it False (autograd as before), never True
-    wrongly: protocol 5 names every global with STACK_GLOBAL, save those registered with
-    copyreg.add_extension (EXT1/2/4 codes), which no skeleton can name while this
-    process registered none."""
-    if _EXTENSIONS:
-        return False
-    stack_globals = skeleton.count(_STACK_GLOBAL)
-    return not stack_globals or stack_globals == skeleton.count(_GUARDED_GLOBAL)
-
 
 class _FallbackUnpickler(pickle.Unpickler):
     find_class = _checked_find_class
@@ -503,7 +502,7 @@ def decode(mapping, header: np.ndarray, registry: dict | None = None, on_release
         io.BytesIO(skeleton), lease, small, small_buffer)
     try:
         below = _BELOW_VIEW_TRACKING
-        if below is not None and _views_untracked(skeleton):
+        if below is not None and skeleton.endswith(VIEWS_UNTRACKED):
             with below():
                 payload = unpickler.load()
         else:

@@ -31,7 +31,8 @@ the user as a DataLoader batch does (docs/how-it-works.md, "Ownership mechanisms
   storage and never keep the slot.
 
 As DataLoader's, no tensor of a decoded batch is a view of another (`_base` is None)
-and each has its own version counter (codec._views_untracked says when).
+and each has its own version counter, where the batch is plain containers, tensors,
+arrays and PackedTargets (codec.VIEWS_UNTRACKED).
 
 Everything else (strings, numbers, dicts, namedtuples, dataclasses, tensor
 subclasses, sparse, quantized, nested, tensors that require grad or carry a
