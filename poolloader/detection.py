@@ -20,6 +20,7 @@ from collections.abc import Mapping
 import torch
 
 from poolloader.collate import slot_empty
+from poolloader.wire import codec
 
 # Fields that describe the image, not its instances: stacked [B, ...] whenever
 # their shape is the same in every sample, even if it happens to equal the
@@ -159,6 +160,10 @@ class PackedTargets:
 
 def _rebuild_packed(fields, counts, stacked, offsets) -> PackedTargets:
     return PackedTargets._unchecked(fields, counts, frozenset(stacked), tuple(offsets))
+
+
+# its rebuild makes no tensor of its own: batches of it keep untracked views (codec)
+codec.allow_untracked(PackedTargets, _rebuild_packed)
 
 
 def _offsets(counts) -> tuple:

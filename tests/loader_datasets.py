@@ -246,6 +246,27 @@ def rfdetr_collate(batch):
     return images, masks, tuple(b[2] for b in batch)
 
 
+def _graph_probe():
+    x = torch.ones(1, requires_grad=True)
+    return GraphProbe((x * 2).grad_fn is not None)
+
+
+class GraphProbe:
+    """Records, as it is unpickled, whether autograd recorded an op made then: a batch
+    object whose reduce function computes with tensors."""
+
+    def __init__(self, recorded=None):
+        self.recorded = recorded
+
+    def __reduce__(self):
+        return (_graph_probe, ())
+
+
+def probed_collate(batch):
+    """rfdetr_collate's batch with a GraphProbe beside it."""
+    return (*rfdetr_collate(batch), GraphProbe())
+
+
 KEPT = []
 
 

@@ -5,6 +5,7 @@ memory."""
 from __future__ import annotations
 
 import copy
+import copyreg
 import gc
 import io
 import os
@@ -86,6 +87,49 @@ def saved_bytes(t: torch.Tensor) -> int:
     buf = io.BytesIO()
     torch.save(t, buf)
     return len(buf.getvalue())
+
+
+def test_an_in_place_write_into_one_field_leaves_a_field_autograd_saved_alone():
+    """A batch's small tensors share one private buffer but, as DataLoader's tensors,
+    not a version counter, and none is a view of another: autograd saved one sample's
+    labels, and writing other int64 fields, the boxes and the images in place does not
+    make backward() fail."""
+    for cls in BOTH:
+        images, masks, (first, second) = next(iter(rfdetr_loader(cls, 1, hw=64, batch_size=2)))
+        saved = second["labels"]
+        assert saved.numel() == 5
+        if cls is PoolLoader:  # the case: one storage (the batch's small buffer)
+            assert saved.untyped_storage().data_ptr() == \
+                first["image_id"].untyped_storage().data_ptr()
+        w = torch.ones(saved.shape, requires_grad=True)
+        loss = (w * saved).sum()  # keeps `saved` for backward
+        first["image_id"].add_(1)
+        second["iscrowd"].add_(1)
+        second["boxes"].mul_(2)
+        images.add_(1)
+        loss.backward()
+        assert torch.equal(w.grad, saved.float()), cls
+        fields = [images, masks, *first.values(), *second.values()]
+        assert all(t._base is None and not t._is_view() for t in fields), cls
+
+
+@pytest.mark.parametrize("named_by", ["name", "copyreg extension code"])
+def test_a_batch_object_s_reduce_function_computes_with_autograd(named_by):
+    """Tensor views are made outside autograd's view tracking only while nothing else is
+    built: a batch naming its own reduce function (by its name, or by the code
+    copyreg.add_extension gave it) is unpickled with autograd as usual."""
+    code = 0x7FFF_FF01
+    if named_by != "name":  # before the workers fork: theirs pickle it by the code
+        copyreg.add_extension("loader_datasets", "_graph_probe", code)
+    try:
+        for cls in BOTH:
+            loader = cls(ds.RFDETRShaped(n=2, hw=32), batch_size=2, num_workers=1,
+                         collate_fn=ds.probed_collate, multiprocessing_context="fork")
+            *_, probe = next(iter(loader))
+            assert probe.recorded is True, cls
+    finally:
+        if named_by != "name":
+            copyreg.remove_extension("loader_datasets", "_graph_probe", code)
 
 
 def test_save_deepcopy_and_share_act_on_one_tensor():

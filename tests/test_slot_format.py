@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from poolloader.detection import pack_targets
 from poolloader.errors import SlotCorrupt
 from poolloader.shm.pool import SlotPool
 from poolloader.wire import codec
@@ -282,3 +283,39 @@ def test_a_batch_of_only_empty_small_tensors_decodes(slot):
     assert payload["ids"].shape == (0,) and payload["ids"].dtype == torch.int64
     assert payload["array"].shape == (0, 3) and payload["array"].dtype == np.float32
     assert payload["name"] == "x"
+
+
+Pair = collections.namedtuple("Pair", "a b")
+
+
+def _plain_fields():
+    return {"boxes": torch.rand(3, 4), "labels": torch.arange(3), "big": torch.ones(40_000),
+            "ids": np.arange(4), "name": "a", "n": 1.5, "flags": (True, None, b"x")}
+
+
+@pytest.mark.parametrize("payload,untracked", [
+    (_plain_fields(), True),
+    ([_plain_fields(), [1, {2}, frozenset({3})], bytearray(b"z")], True),
+    (pack_targets([{"boxes": torch.rand(2, 4), "labels": torch.arange(2)},
+                   {"boxes": torch.rand(0, 4), "labels": torch.arange(0)}]), True),
+    (collections.OrderedDict(_plain_fields()), False),  # a dict subclass: named
+    (Pair(torch.ones(2), 1), False),
+    ({"x": torch.ones(2, requires_grad=True)}, False),  # torch's own reducer
+    ({"x": np.array([1, "a"], dtype=object)}, False),  # numpy's own reducer
+    ({"x": torch.ones(2), "f": torch.float32}, False),  # a global by itself
+    ({"x": torch.ones(2), "c": 1j}, False),  # complex pickles by builtins.complex
+], ids=["dict", "containers", "packed", "ordered", "namedtuple", "grad", "object", "dtype", "complex"])
+def test_a_skeleton_is_marked_untracked_only_when_it_names_no_global_but_allowed_ones(
+        slot, payload, untracked):
+    """Main makes a batch's tensors outside autograd's view tracking only when the
+    worker pickled nothing that names a global but PackedTargets' rebuild: plain
+    containers, numbers, strings, tensors and arrays. Every batch decodes the same."""
+    mapping, header = slot
+    encode(mapping, header, payload)
+    off, n = int(header[fmt.F_SKELETON_OFF]), int(header[fmt.F_SKELETON_LEN])
+    assert bytes(memoryview(mapping)[off:off + n]).endswith(codec.VIEWS_UNTRACKED) is untracked
+    got, lease = codec.decode(mapping, header)
+    assert repr(got) == repr(payload)
+    views = [t for t in (got.values() if isinstance(got, dict) else ()) if isinstance(t, torch.Tensor)]
+    assert all(t._is_view() is not untracked for t in views if not t.requires_grad)
+    del got, lease, views

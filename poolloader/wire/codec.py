@@ -41,6 +41,7 @@ from __future__ import annotations
 import ctypes
 import io
 import pickle
+import types
 import zlib
 from typing import Literal
 
@@ -171,6 +172,22 @@ def _plain_tensor(t: torch.Tensor) -> bool:
             and not (t.requires_grad or t.is_conj() or t.is_neg()))
 
 
+# What pickle carries with its own opcodes, naming no global.
+_PLAIN_TYPES = frozenset({type(None), bool, int, float, str, bytes, bytearray, tuple, list,
+                          dict, set, frozenset})
+# Batch types, and the functions their pickling names, whose rebuild makes no tensor of
+# its own (poolloader.detection registers PackedTargets): see VIEWS_UNTRACKED.
+_UNTRACKED_TYPES: set = set()
+_UNTRACKED_FUNCTIONS: set = set()
+
+
+def allow_untracked(batch_type: type, *functions) -> None:
+    """Let skeletons holding `batch_type` (pickled by naming `functions`) keep
+    VIEWS_UNTRACKED: its rebuild must make no tensor and call nothing of the user's."""
+    _UNTRACKED_TYPES.add(batch_type)
+    _UNTRACKED_FUNCTIONS.update(functions)
+
+
 class _SkeletonPickler(pickle.Pickler):
     def __init__(self, file, writer: SlotWriter):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
@@ -179,14 +196,23 @@ class _SkeletonPickler(pickle.Pickler):
         self.keep: list = []
         self.small: list = []  # (tensor or array, nbytes, offset in the small block)
         self.small_len = 0
+        self.names_globals = False  # pickled an object that names a global (VIEWS_UNTRACKED)
 
     def persistent_id(self, obj):
+        # called by pickle for every object it saves (the ids themselves excepted)
         kind = type(obj)
         if kind is torch.Tensor:
-            return self._tensor(obj)
-        if kind is np.ndarray:
-            return self._array(obj)
-        return None
+            pid = self._tensor(obj)
+        elif kind is np.ndarray:
+            pid = self._array(obj)
+        else:
+            if not (kind in _PLAIN_TYPES or kind in _UNTRACKED_TYPES
+                    or (kind is types.FunctionType and obj in _UNTRACKED_FUNCTIONS)):
+                self.names_globals = True
+            return None
+        if pid is None or pid[0] == PID_PICKLED:  # pickled by torch's or numpy's reducers
+            self.names_globals = True
+        return pid
 
     def _small(self, nbytes: int) -> int | None:
         if nbytes > SMALL_TENSOR_BYTES or self.small_len + nbytes > SMALL_BATCH_BYTES:
@@ -277,6 +303,8 @@ def encode(writer: SlotWriter, header: np.ndarray, payload, status: int) -> None
     buf = io.BytesIO()
     pickler = _SkeletonPickler(buf, writer)
     pickler.dump(payload)
+    if not pickler.names_globals:
+        buf.write(VIEWS_UNTRACKED)
     skeleton = buf.getbuffer()
     small_off = align64(writer.cursor)
     small_len = align64(pickler.small_len)
@@ -321,6 +349,18 @@ def _checked_find_class(unpickler: pickle.Unpickler, module, name):
         return _rebuild_sparse_checked
     return pickle.Unpickler.find_class(unpickler, module, name)
 
+
+# A skeleton whose pickling named no global (save those of allow_untracked) ends with
+# this byte after pickle's STOP (a pickle ends with STOP, so no other skeleton does):
+# main then makes its tensors below autograd's view tracking (torch's ADInplaceOrView
+# dispatch key), as torch.load and DataLoader's main make theirs with set_(): none
+# is a view of another (`_base` is None) and each has a version counter of its own,
+# so an in-place write into one field (another small tensor of the same dtype) does
+# not fail autograd's check of a field it saved for backward. It costs less than a
+# tracked view, too. A skeleton that names any other global (a user's reduce function
+# may compute with tensors) is unpickled with autograd whole, its tensors views.
+VIEWS_UNTRACKED = b"\x00"
+_BELOW_VIEW_TRACKING = getattr(torch._C, "_AutoDispatchBelowADInplaceOrView", None)
 
 class _FallbackUnpickler(pickle.Unpickler):
     find_class = _checked_find_class
@@ -461,7 +501,12 @@ def decode(mapping, header: np.ndarray, registry: dict | None = None, on_release
     unpickler = (_SparseSkeletonUnpickler if _SPARSE_REBUILD in skeleton else _SkeletonUnpickler)(
         io.BytesIO(skeleton), lease, small, small_buffer)
     try:
-        payload = unpickler.load()
+        below = _BELOW_VIEW_TRACKING
+        if below is not None and skeleton.endswith(VIEWS_UNTRACKED):
+            with below():
+                payload = unpickler.load()
+        else:
+            payload = unpickler.load()
     except SlotCorrupt:
         raise
     except Exception as e:

@@ -21,14 +21,18 @@ replaced by a persistent id that points into the slot. Decoding unpickles it and
 turns each id into a tensor: O(objects), never O(bytes), and the batch belongs to
 the user as a DataLoader batch does (docs/how-it-works.md, "Ownership mechanisms"):
 
-* a tensor above SMALL_TENSOR_BYTES stays in the slot, as a view with a storage of
-  its own covering exactly its bytes (torch.save, deepcopy, share_memory_() and
-  sending it act on that tensor alone); every such storage keeps the batch's Lease,
-  and the slot is reused only when the last one dies;
+* a tensor above SMALL_TENSOR_BYTES stays in the slot, with a storage of its own
+  covering exactly its bytes (torch.save, deepcopy, share_memory_() and sending it
+  act on that tensor alone); every such storage keeps the batch's Lease, and the
+  slot is reused only when the last one dies;
 * smaller tensors (labels, boxes, ids, packed target fields; up to
   SMALL_BATCH_BYTES per batch) are laid out by the worker in one contiguous small
   block, which main copies once into a private buffer: they share that buffer's
   storage and never keep the slot.
+
+As DataLoader's, no tensor of a decoded batch is a view of another (`_base` is None)
+and each has its own version counter, where the batch is plain containers, tensors,
+arrays and PackedTargets (codec.VIEWS_UNTRACKED).
 
 Everything else (strings, numbers, dicts, namedtuples, dataclasses, tensor
 subclasses, sparse, quantized, nested, tensors that require grad or carry a
