@@ -267,6 +267,13 @@ def probed_collate(batch):
     return (*rfdetr_collate(batch), GraphProbe())
 
 
+def repeating_collate(batch):
+    """rfdetr_collate's batch holding its images and one target's labels twice each."""
+    images, masks, targets = rfdetr_collate(batch)
+    return {"images": images, "again": images, "labels": targets[0]["labels"],
+            "targets": targets, "masks": masks}
+
+
 KEPT = []
 
 

@@ -86,6 +86,13 @@ ALLOWED_READS = {
         "has no public call for it",
     ("poolloader.wire.codec", "t.untyped_storage()._cdata"):
         "the storage handle that torch._C._storage_Use_Count takes",
+    ("poolloader.wire.codec", "torch._C"):
+        "torch._C._AutoDispatchBelowADInplaceOrView: the guard (C++ "
+        "at::AutoDispatchBelowADInplaceOrView) under which a decoded batch's tensors are "
+        "made as torch.load makes its own, not views, each with its own version counter; "
+        "torch has no public name for it",
+    ("poolloader.wire.codec", "getattr(torch._C, '_AutoDispatchBelowADInplaceOrView')"):
+        "the same guard, looked up where a torch build may lack it",
     ("poolloader.main.startup", "obj._untyped_storage"):
         "the UntypedStorage under a TypedStorage, as torch's Tensor.__reduce_ex__ reads "
         "it: TypedStorage.untyped() warns that TypedStorage is deprecated",

@@ -113,6 +113,24 @@ def test_an_in_place_write_into_one_field_leaves_a_field_autograd_saved_alone():
         assert all(t._base is None and not t._is_view() for t in fields), cls
 
 
+def test_a_tensor_the_batch_holds_twice_arrives_as_one_object():
+    """As DataLoader's: images (in the slot) and one target's labels (in the small
+    block), each in two places of the batch, arrive as one object each, so autograd
+    sees an in-place write through either place."""
+    for cls in BOTH:
+        loader = cls(ds.RFDETRShaped(n=4, hw=32), batch_size=2, num_workers=1,
+                     collate_fn=ds.repeating_collate, multiprocessing_context="fork")
+        for batch in loader:
+            assert batch["images"] is batch["again"], cls
+            assert batch["labels"] is batch["targets"][0]["labels"], cls
+        w = torch.ones(batch["labels"].shape, requires_grad=True)
+        loss = (w * batch["labels"]).sum()
+        batch["targets"][0]["labels"].add_(1)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+        del batch, loss
+
+
 @pytest.mark.parametrize("named_by", ["name", "copyreg extension code"])
 def test_a_batch_object_s_reduce_function_computes_with_autograd(named_by):
     """Tensor views are made outside autograd's view tracking only while nothing else is

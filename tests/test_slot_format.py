@@ -313,9 +313,62 @@ def test_a_skeleton_is_marked_untracked_only_when_it_names_no_global_but_allowed
     mapping, header = slot
     encode(mapping, header, payload)
     off, n = int(header[fmt.F_SKELETON_OFF]), int(header[fmt.F_SKELETON_LEN])
-    assert bytes(memoryview(mapping)[off:off + n]).endswith(codec.VIEWS_UNTRACKED) is untracked
+    flags = codec.skeleton_flags(bytes(memoryview(mapping)[off:off + n]))
+    assert flags == (codec.VIEWS_UNTRACKED if untracked else 0)
     got, lease = codec.decode(mapping, header)
     assert repr(got) == repr(payload)
     views = [t for t in (got.values() if isinstance(got, dict) else ()) if isinstance(t, torch.Tensor)]
     assert all(t._is_view() is not untracked for t in views if not t.requires_grad)
     del got, lease, views
+
+
+@pytest.mark.parametrize("container", [dict, collections.OrderedDict], ids=["marked", "named"])
+def test_a_tensor_the_batch_holds_twice_decodes_as_one_object(slot, container):
+    """As DataLoader's: one tensor held in two places of a batch, small or large, is one
+    object after decoding, marked skeleton or not, so an in-place write through one place
+    is the other's, and autograd sees it (one version counter). Two distinct tensors with
+    equal bytes stay two."""
+    mapping, header = slot
+    small, large = torch.arange(6), torch.ones(40_000)
+    payload = container(s1=small, s2=small, l1=large, l2=large, twin=torch.arange(6),
+                        nested=[small, (large,)])
+    encode(mapping, header, payload)
+    off, n = int(header[fmt.F_SKELETON_OFF]), int(header[fmt.F_SKELETON_LEN])
+    assert codec.skeleton_flags(bytes(memoryview(mapping)[off:off + n])) & codec.TENSOR_REPEATED
+    got, lease = codec.decode(mapping, header)
+    assert got["s1"] is got["s2"] is got["nested"][0]
+    assert got["l1"] is got["l2"] is got["nested"][1][0]
+    assert got["twin"] is not got["s1"] and torch.equal(got["twin"], got["s1"])
+    w = torch.ones(6, requires_grad=True)
+    loss = (w * got["s1"]).sum()
+    got["s2"].add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    del got, lease, loss
+
+
+def test_the_collector_never_runs_inside_a_decode_below_view_tracking(slot):
+    """Only the unpickler's own code runs below view tracking: the cyclic collector,
+    which would run other objects' finalisers (and gc callbacks) inside the load, is
+    held off until it ends. Here it would run at nearly every allocation; a callback
+    records whether a view made at each collection is tracked."""
+    mapping, header = slot
+    encode(mapping, header, _plain_fields())
+    tracked = []
+
+    def record(phase, info):
+        if phase == "start":
+            tracked.append(torch.ones(4)[1:]._is_view())
+
+    threshold = gc.get_threshold()
+    gc.callbacks.append(record)
+    try:
+        gc.set_threshold(1)
+        for _ in range(20):
+            got, lease = codec.decode(mapping, header)
+            del got, lease
+    finally:
+        gc.set_threshold(*threshold)
+        gc.callbacks.remove(record)
+    assert len(tracked) >= 20 and all(tracked)
+    assert gc.isenabled()

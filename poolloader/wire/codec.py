@@ -39,6 +39,7 @@ code as the user.
 from __future__ import annotations
 
 import ctypes
+import gc
 import io
 import pickle
 import types
@@ -197,6 +198,7 @@ class _SkeletonPickler(pickle.Pickler):
         self.small: list = []  # (tensor or array, nbytes, offset in the small block)
         self.small_len = 0
         self.names_globals = False  # pickled an object that names a global (VIEWS_UNTRACKED)
+        self.repeated = False  # holds one tensor in two places (TENSOR_REPEATED)
 
     def persistent_id(self, obj):
         # called by pickle for every object it saves (the ids themselves excepted)
@@ -231,6 +233,7 @@ class _SkeletonPickler(pickle.Pickler):
             return None
         pid = self.memo_ids.get(id(t))
         if pid is not None:
+            self.repeated = True
             return pid
         shape, stride = tuple(t.shape), t.stride()
         count = t.numel() if t.is_contiguous() else span_elements(shape, stride)
@@ -303,8 +306,9 @@ def encode(writer: SlotWriter, header: np.ndarray, payload, status: int) -> None
     buf = io.BytesIO()
     pickler = _SkeletonPickler(buf, writer)
     pickler.dump(payload)
-    if not pickler.names_globals:
-        buf.write(VIEWS_UNTRACKED)
+    flags = (0 if pickler.names_globals else VIEWS_UNTRACKED) | (TENSOR_REPEATED if pickler.repeated else 0)
+    if flags:
+        buf.write(bytes((flags,)))
     skeleton = buf.getbuffer()
     small_off = align64(writer.cursor)
     small_len = align64(pickler.small_len)
@@ -350,17 +354,50 @@ def _checked_find_class(unpickler: pickle.Unpickler, module, name):
     return pickle.Unpickler.find_class(unpickler, module, name)
 
 
-# A skeleton whose pickling named no global (save those of allow_untracked) ends with
-# this byte after pickle's STOP (a pickle ends with STOP, so no other skeleton does):
-# main then makes its tensors below autograd's view tracking (torch's ADInplaceOrView
-# dispatch key), as torch.load and DataLoader's main make theirs with set_(): none
-# is a view of another (`_base` is None) and each has a version counter of its own,
-# so an in-place write into one field (another small tensor of the same dtype) does
-# not fail autograd's check of a field it saved for backward. It costs less than a
-# tracked view, too. A skeleton that names any other global (a user's reduce function
-# may compute with tensors) is unpickled with autograd whole, its tensors views.
-VIEWS_UNTRACKED = b"\x00"
+# A skeleton's flags: one byte after pickle's STOP, written when any is set (a pickle
+# ends with STOP, b".", so a skeleton without flags ends with that byte, 0x2e).
+#
+# VIEWS_UNTRACKED: the skeleton's pickling named no global (save those of
+# allow_untracked): main makes its tensors below autograd's view tracking (torch's
+# ADInplaceOrView dispatch key), as torch.load and DataLoader's main make theirs with
+# set_(): none is a view of another (`_base` is None) and each has a version counter
+# of its own, so an in-place write into one field (another small tensor of the same
+# dtype) does not fail autograd's check of a field it saved for backward. It costs
+# less than a tracked view, too. A skeleton that names any other global (a user's
+# reduce function may compute with tensors) is unpickled with autograd whole, its
+# tensors views.
+#
+# TENSOR_REPEATED: the batch holds one tensor in two places (_Repeated).
+VIEWS_UNTRACKED = 0x01
+TENSOR_REPEATED = 0x02
+_FLAGS_END = 0x04
+
+
+def skeleton_flags(skeleton) -> int:
+    """The flags byte after a skeleton's STOP; 0 when it has none."""
+    flags = skeleton[-1] if len(skeleton) else 0
+    return flags if flags < _FLAGS_END else 0
+# torch's guard for the dispatch key (C++ at::AutoDispatchBelowADInplaceOrView); a
+# torch without it gets tracked views, as a skeleton that names a global does
 _BELOW_VIEW_TRACKING = getattr(torch._C, "_AutoDispatchBelowADInplaceOrView", None)
+
+
+def _load_untracked(unpickler: pickle.Unpickler, below_view_tracking):
+    """unpickler.load() below view tracking, with only our own Python inside it: the
+    cyclic collector, which would run other objects' finalisers there, is held off
+    for the load (the guard is the thread's own; other threads keep tracking). A
+    Python signal handler may still run inside (at a persistent_load call); only a
+    handler that makes views of tensors would see the difference."""
+    collecting = gc.isenabled()
+    if collecting:
+        gc.disable()
+    try:
+        with below_view_tracking():
+            return unpickler.load()
+    finally:
+        if collecting:
+            gc.enable()
+
 
 class _FallbackUnpickler(pickle.Unpickler):
     find_class = _checked_find_class
@@ -379,7 +416,7 @@ class _SkeletonUnpickler(pickle.Unpickler):
     does: a skeleton that names torch's sparse rebuild gets _SparseSkeletonUnpickler."""
 
     # one per batch: slots, not an instance dict
-    __slots__ = ("lease", "small", "small_buffer", "small_typed", "views")
+    __slots__ = ("lease", "made", "small", "small_buffer", "small_typed", "views")
 
     def __init__(self, file, lease: Lease, small: torch.Tensor | None, small_buffer=None):
         pickle.Unpickler.__init__(self, file)
@@ -388,6 +425,7 @@ class _SkeletonUnpickler(pickle.Unpickler):
         self.small_buffer = small_buffer  # allocates it (page-locked with pin_memory), or None
         self.small_typed = [None] * NUM_DTYPES
         self.views = 0
+        self.made: dict = {}  # _Repeated's
 
     def _small_block(self) -> torch.Tensor:
         # A batch whose small tensors are all empty has a small block of 0 bytes, and
@@ -461,6 +499,36 @@ class _SparseSkeletonUnpickler(_SkeletonUnpickler):
     find_class = _checked_find_class
 
 
+class _Repeated:
+    """For a skeleton flagged TENSOR_REPEATED: a tensor the batch holds in two places
+    is one object, as DataLoader's (one version counter: autograd sees an in-place
+    write through either). The worker's pickler gives such a tensor one pid tuple,
+    which pickle saves once and fetches from its memo after, so every place loads the
+    same tuple object (alive in the unpickler's memo, and in `made`, for the load)."""
+
+    __slots__ = ()
+
+    def persistent_load(self, pid):
+        made = self.made.get(id(pid))
+        if made is None:
+            made = self.made[id(pid)] = (pid, _SkeletonUnpickler.persistent_load(self, pid))
+        return made[1]
+
+
+class _RepeatedSkeletonUnpickler(_Repeated, _SkeletonUnpickler):
+    __slots__ = ()
+
+
+class _RepeatedSparseSkeletonUnpickler(_Repeated, _SparseSkeletonUnpickler):
+    __slots__ = ()
+
+
+# (names torch's sparse rebuild, TENSOR_REPEATED) -> the skeleton's unpickler
+_UNPICKLERS = {(False, False): _SkeletonUnpickler, (True, False): _SparseSkeletonUnpickler,
+               (False, True): _RepeatedSkeletonUnpickler,
+               (True, True): _RepeatedSparseSkeletonUnpickler}
+
+
 def copy_small(mapping, small_off: int, small_len: int, small_buffer=None) -> torch.Tensor:
     """The batch's private copy of its small block: one allocation, one copy."""
     small = (torch.empty(small_len, dtype=torch.uint8) if small_buffer is None
@@ -498,13 +566,13 @@ def decode(mapping, header: np.ndarray, registry: dict | None = None, on_release
         raise SlotCorrupt(f"slot skeleton checksum {crc:#010x} does not match the header's "
                           f"{expected:#010x} ({skel_len} bytes at {skel_off})")
     small = copy_small(mapping, small_off, small_len, small_buffer) if small_len else None
-    unpickler = (_SparseSkeletonUnpickler if _SPARSE_REBUILD in skeleton else _SkeletonUnpickler)(
+    flags = skeleton_flags(skeleton)
+    unpickler = _UNPICKLERS[_SPARSE_REBUILD in skeleton, bool(flags & TENSOR_REPEATED)](
         io.BytesIO(skeleton), lease, small, small_buffer)
     try:
         below = _BELOW_VIEW_TRACKING
-        if below is not None and skeleton.endswith(VIEWS_UNTRACKED):
-            with below():
-                payload = unpickler.load()
+        if flags & VIEWS_UNTRACKED and below is not None:
+            payload = _load_untracked(unpickler, below)
         else:
             payload = unpickler.load()
     except SlotCorrupt:
