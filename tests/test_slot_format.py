@@ -324,14 +324,16 @@ def test_a_skeleton_is_marked_untracked_only_when_it_names_no_global_but_allowed
 
 @pytest.mark.parametrize("container", [dict, collections.OrderedDict], ids=["marked", "named"])
 def test_a_tensor_the_batch_holds_twice_decodes_as_one_object(slot, container):
-    """As DataLoader's: one tensor held in two places of a batch, small or large, is one
-    object after decoding, marked skeleton or not, so an in-place write through one place
-    is the other's, and autograd sees it (one version counter). Two distinct tensors with
-    equal bytes stay two."""
+    """As DataLoader's: one tensor (or array) held in two places of a batch, small or
+    large, is one object after decoding, marked skeleton or not, so an in-place write
+    through one place is the other's, and autograd sees it (one version counter). Two
+    distinct tensors or arrays with equal bytes stay two."""
     mapping, header = slot
     small, large = torch.arange(6), torch.ones(40_000)
+    arrays = np.arange(3), np.ones(40_000)
     payload = container(s1=small, s2=small, l1=large, l2=large, twin=torch.arange(6),
-                        nested=[small, (large,)])
+                        nested=[small, (large,)], a=arrays, b=arrays[::-1],
+                        twin_array=np.arange(3))
     encode(mapping, header, payload)
     off, n = int(header[fmt.F_SKELETON_OFF]), int(header[fmt.F_SKELETON_LEN])
     assert codec.skeleton_flags(bytes(memoryview(mapping)[off:off + n])) & codec.TENSOR_REPEATED
@@ -339,6 +341,8 @@ def test_a_tensor_the_batch_holds_twice_decodes_as_one_object(slot, container):
     assert got["s1"] is got["s2"] is got["nested"][0]
     assert got["l1"] is got["l2"] is got["nested"][1][0]
     assert got["twin"] is not got["s1"] and torch.equal(got["twin"], got["s1"])
+    assert got["a"][0] is got["b"][1] and got["a"][1] is got["b"][0]
+    assert got["twin_array"] is not got["a"][0]
     w = torch.ones(6, requires_grad=True)
     loss = (w * got["s1"]).sum()
     got["s2"].add_(1)
@@ -372,3 +376,26 @@ def test_the_collector_never_runs_inside_a_decode_below_view_tracking(slot):
         gc.callbacks.remove(record)
     assert len(tracked) >= 20 and all(tracked)
     assert gc.isenabled()
+
+
+def test_an_interrupt_as_the_collector_is_held_off_leaves_it_on(slot, monkeypatch):
+    """A KeyboardInterrupt raised right after the decode switched the collector off
+    (as a signal handler may, when that C call returns) turns it back on."""
+    mapping, header = slot
+    encode(mapping, header, _plain_fields())
+
+    class InterruptedCollector:
+        isenabled, enable = staticmethod(gc.isenabled), staticmethod(gc.enable)
+
+        @staticmethod
+        def disable():
+            gc.disable()
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(codec, "gc", InterruptedCollector)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            codec.decode(mapping, header)
+        assert gc.isenabled()
+    finally:
+        gc.enable()

@@ -198,23 +198,29 @@ class _SkeletonPickler(pickle.Pickler):
         self.small: list = []  # (tensor or array, nbytes, offset in the small block)
         self.small_len = 0
         self.names_globals = False  # pickled an object that names a global (VIEWS_UNTRACKED)
-        self.repeated = False  # holds one tensor in two places (TENSOR_REPEATED)
+        self.repeated = False  # holds one tensor or array in two places (TENSOR_REPEATED)
 
     def persistent_id(self, obj):
         # called by pickle for every object it saves (the ids themselves excepted)
         kind = type(obj)
-        if kind is torch.Tensor:
-            pid = self._tensor(obj)
-        elif kind is np.ndarray:
-            pid = self._array(obj)
-        else:
-            if not (kind in _PLAIN_TYPES or kind in _UNTRACKED_TYPES
-                    or (kind is types.FunctionType and obj in _UNTRACKED_FUNCTIONS)):
+        if kind is torch.Tensor or kind is np.ndarray:
+            pid = self.memo_ids.get(id(obj))
+            if pid is not None:  # the same pid tuple: one object in main (_Repeated)
+                self.repeated = True
+                return pid
+            pid = self._tensor(obj) if kind is torch.Tensor else self._array(obj)
+            if pid is None:  # pickled by torch's or numpy's reducers (and pickle's memo)
                 self.names_globals = True
-            return None
-        if pid is None or pid[0] == PID_PICKLED:  # pickled by torch's or numpy's reducers
+                return None
+            if pid[0] == PID_PICKLED:
+                self.names_globals = True
+            self.memo_ids[id(obj)] = pid
+            self.keep.append(obj)  # alive until the dump ends: its id is not reused
+            return pid
+        if not (self.names_globals or kind in _PLAIN_TYPES or kind in _UNTRACKED_TYPES
+                or (kind is types.FunctionType and obj in _UNTRACKED_FUNCTIONS)):
             self.names_globals = True
-        return pid
+        return None
 
     def _small(self, nbytes: int) -> int | None:
         if nbytes > SMALL_TENSOR_BYTES or self.small_len + nbytes > SMALL_BATCH_BYTES:
@@ -231,30 +237,22 @@ class _SkeletonPickler(pickle.Pickler):
         code = DTYPE_CODE.get(t.dtype)
         if code is None or not _plain_tensor(t):
             return None
-        pid = self.memo_ids.get(id(t))
-        if pid is not None:
-            self.repeated = True
-            return pid
         shape, stride = tuple(t.shape), t.stride()
         count = t.numel() if t.is_contiguous() else span_elements(shape, stride)
         nbytes = count * ITEMSIZE[code]
         small = self._small(nbytes)
         if small is not None:
             self.small.append((t, nbytes, small))
-            pid = (PID_SMALL_TENSOR, code, small, shape, stride)
-        else:
-            w = self.writer
-            off = w.locate(t, nbytes)
+            return (PID_SMALL_TENSOR, code, small, shape, stride)
+        w = self.writer
+        off = w.locate(t, nbytes)
+        if off is None:
+            off = w.alloc(nbytes)
             if off is None:
-                off = w.alloc(nbytes)
-                if off is None:
-                    off = DATA_OFF  # overflow: keep counting, NeedsGrow follows
-                elif nbytes:
-                    w.u8[off:off + nbytes].view(t.dtype).copy_(_span(t, count))
-            pid = (PID_TENSOR, code, off, shape, stride, count)
-        self.memo_ids[id(t)] = pid
-        self.keep.append(t)
-        return pid
+                off = DATA_OFF  # overflow: keep counting, NeedsGrow follows
+            elif nbytes:
+                w.u8[off:off + nbytes].view(t.dtype).copy_(_span(t, count))
+        return (PID_TENSOR, code, off, shape, stride, count)
 
     def _array(self, a: np.ndarray):
         if a.dtype.hasobject or a.dtype.fields is not None:
@@ -367,7 +365,7 @@ def _checked_find_class(unpickler: pickle.Unpickler, module, name):
 # reduce function may compute with tensors) is unpickled with autograd whole, its
 # tensors views.
 #
-# TENSOR_REPEATED: the batch holds one tensor in two places (_Repeated).
+# TENSOR_REPEATED: the batch holds one tensor (or array) in two places (_Repeated).
 VIEWS_UNTRACKED = 0x01
 TENSOR_REPEATED = 0x02
 _FLAGS_END = 0x04
@@ -387,11 +385,14 @@ def _load_untracked(unpickler: pickle.Unpickler, below_view_tracking):
     cyclic collector, which would run other objects' finalisers there, is held off
     for the load (the guard is the thread's own; other threads keep tracking). A
     Python signal handler may still run inside (at a persistent_load call); only a
-    handler that makes views of tensors would see the difference."""
+    handler that makes views of tensors would see the difference. The collector's
+    switch is the process's: a decode in another thread at the same time may turn it
+    back on before this load ends, and another thread's gc.disable() during the load
+    is undone at its end (microseconds)."""
     collecting = gc.isenabled()
-    if collecting:
-        gc.disable()
-    try:
+    try:  # an interrupt right after disable() still reaches the finally
+        if collecting:
+            gc.disable()
         with below_view_tracking():
             return unpickler.load()
     finally:
@@ -425,7 +426,6 @@ class _SkeletonUnpickler(pickle.Unpickler):
         self.small_buffer = small_buffer  # allocates it (page-locked with pin_memory), or None
         self.small_typed = [None] * NUM_DTYPES
         self.views = 0
-        self.made: dict = {}  # _Repeated's
 
     def _small_block(self) -> torch.Tensor:
         # A batch whose small tensors are all empty has a small block of 0 bytes, and
@@ -500,13 +500,18 @@ class _SparseSkeletonUnpickler(_SkeletonUnpickler):
 
 
 class _Repeated:
-    """For a skeleton flagged TENSOR_REPEATED: a tensor the batch holds in two places
-    is one object, as DataLoader's (one version counter: autograd sees an in-place
-    write through either). The worker's pickler gives such a tensor one pid tuple,
-    which pickle saves once and fetches from its memo after, so every place loads the
-    same tuple object (alive in the unpickler's memo, and in `made`, for the load)."""
+    """For a skeleton flagged TENSOR_REPEATED: a tensor (or array) the batch holds in
+    two places is one object, as DataLoader's (for a tensor, one version counter:
+    autograd sees an in-place write through either). The worker's pickler gives such
+    an object one pid tuple, which pickle saves once and fetches from its memo after,
+    so every place loads the same tuple object (alive in the unpickler's memo, and in
+    `made`, for the load)."""
 
     __slots__ = ()
+
+    def __init__(self, *args):
+        _SkeletonUnpickler.__init__(self, *args)
+        self.made = {}
 
     def persistent_load(self, pid):
         made = self.made.get(id(pid))
