@@ -156,15 +156,19 @@ class TaggedSamples(Dataset):
 
 class StallsAfter(Dataset):
     """Samples below `fast` come at once; every later one takes `stall` seconds, so a
-    worker asked for it is busy (and not leaving) for that long."""
+    worker asked for it is busy (and not leaving) for that long. With `marks` (a
+    directory), a worker that starts a stall first leaves a file there, so a test can
+    wait until the workers are busy rather than hope they are."""
 
-    def __init__(self, fast=2, stall=20.0, n=40):
-        self.fast, self.stall, self.n = fast, stall, n
+    def __init__(self, fast=2, stall=20.0, n=40, marks=None):
+        self.fast, self.stall, self.n, self.marks = fast, stall, n, marks
 
     def __len__(self):
         return self.n
 
     def __getitem__(self, i):
         if i >= self.fast:
+            if self.marks is not None:
+                open(os.path.join(self.marks, f"stalls-{i}"), "w").close()
             time.sleep(self.stall)
         return torch.full((100_000,), float(i))

@@ -291,14 +291,17 @@ def test_signal_to_main_mid_epoch_exits_and_cleans_up(mode):
 
 
 @pytest.mark.parametrize("backend", ["memfd", "posix"])
-def test_ctrl_c_during_the_join_still_closes_the_pool_and_a_later_call_finishes(backend):
+def test_ctrl_c_during_the_join_still_closes_the_pool_and_a_later_call_finishes(backend, tmp_path):
     """A second Ctrl-C while shutdown waits for busy workers (the join ladder) raises
     KeyboardInterrupt, but the pool is closed anyway (names unlinked, mappings
     dropped); a later call (atexit, __del__) finishes what the interrupt cut short."""
-    loader = PoolLoader(rds.StallsAfter(fast=2, stall=20.0), batch_size=1, num_workers=2,
-                        prefetch_factor=1, shm_backend=backend)
+    loader = PoolLoader(rds.StallsAfter(fast=2, stall=20.0, marks=str(tmp_path)), batch_size=1,
+                        num_workers=2, prefetch_factor=1, shm_backend=backend)
     it = iter(loader)
-    assert [int(next(it)[0][0]) for _ in range(2)] == [0, 1]  # now both workers stall
+    assert [int(next(it)[0][0]) for _ in range(2)] == [0, 1]
+    # both workers inside their stall: one that had not yet taken its request would
+    # leave at once when the rings close, and the join would end before the alarm
+    assert wait_until(lambda: len(os.listdir(tmp_path)) == 2, 30.0), os.listdir(tmp_path)
     prefix, pids = it.shm_prefix, it.worker_pids
 
     def ours_mapped():
