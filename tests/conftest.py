@@ -55,6 +55,16 @@ can lag its peers' by more than the default, and the group would then load apart
 (correct batches, but not the sharing those tests check). The test of that wait sets
 its own.
 
+The README runs the suite in two pytest-xdist workers (`-n 2`): the machine has 2
+cores and one pytest process used about 1.2 of them (its tests wait on their workers,
+their children and their ranks). Each xdist worker is a pytest process of its own with
+everything below (the checks see only its own tree; another worker's names and children
+are another process's, as another session's are). The modules in ONE_WORKER_MODULES
+make a module-scoped fixture that costs seconds (torchrun jobs, the runner's arms, the
+resumes): their tests go to one worker together, so it is made once
+(pytest_xdist_make_scheduler; xdist's own `--dist loadgroup` marks cannot do it with
+pytest 9, whose node ids xdist can no longer rename).
+
 A test's time is bounded twice. pytest-timeout (`timeout` in pyproject.toml, or the
 test's own mark) raises in the test when it runs out: the test fails and the run goes
 on. That exception can be lost, though: raised inside a `__del__` or a finaliser that
@@ -89,6 +99,28 @@ def pytest_configure(config):
         multiprocessing.set_start_method(method, force=True)
     global _backstop_fd
     _backstop_fd = os.dup(2)  # the terminal: capture is not active in pytest_configure
+
+
+# Modules whose tests share a module-scoped fixture that costs seconds: under xdist all
+# of a module's tests run in one worker (see the module docstring).
+ONE_WORKER_MODULES = frozenset({"test_train_script.py", "test_runner.py", "test_resume.py"})
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`-n N` (xdist's `--dist load`): each test is a unit of its own, as with `load`,
+    except that a module of ONE_WORKER_MODULES is one unit (sent first: xdist orders
+    units by size)."""
+    if config.getoption("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleFixtureScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            module = nodeid.split("::", 1)[0]
+            return module if os.path.basename(module) in ONE_WORKER_MODULES else nodeid
+
+    return ModuleFixtureScheduling(config, log)
 
 
 def pytest_unconfigure(config):

@@ -375,6 +375,8 @@ def skeleton_flags(skeleton) -> int:
     """The flags byte after a skeleton's STOP; 0 when it has none."""
     flags = skeleton[-1] if len(skeleton) else 0
     return flags if flags < _FLAGS_END else 0
+
+
 # torch's guard for the dispatch key (C++ at::AutoDispatchBelowADInplaceOrView); a
 # torch without it gets tracked views, as a skeleton that names a global does
 _BELOW_VIEW_TRACKING = getattr(torch._C, "_AutoDispatchBelowADInplaceOrView", None)
