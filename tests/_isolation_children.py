@@ -92,6 +92,18 @@ def ns_init(first_pid, body, *args):
     sys.exit(child.returncode)
 
 
+
+def ns_init_own_shm(first_pid, body, *args):
+    """ns_init with a /dev/shm of this namespace's own: a tmpfs mounted over it in the
+    mount namespace that unshare's --mount-proc made (private: nothing outside sees
+    it, and it goes with the namespace). A body that leaves a dead job's names on
+    purpose and then checks who removes them needs it: every POSIX pool made anywhere
+    on the machine sweeps dead owners' names, and under pytest-xdist another test of
+    the same run makes such pools at any moment."""
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m,mode=1777", "tmpfs", SHM],
+                   check=True, timeout=30)
+    ns_init(first_pid, body, *args)
+
 # ---------------------------------------------------------------------------
 # loaders
 

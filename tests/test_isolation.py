@@ -76,17 +76,20 @@ UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]
 
 @functools.cache
 def _namespace_refusal() -> str | None:
-    """Why a new PID namespace whose next pid we choose cannot be made here, or None."""
+    """Why a new PID namespace whose next pid we choose (and a /dev/shm of its own, for
+    ns_init_own_shm) cannot be made here, or None."""
     try:
         probe = subprocess.run(
-            [*UNSHARE, "sh", "-c", "echo 40 > /proc/sys/kernel/ns_last_pid && sh -c 'echo $$'"],
+            [*UNSHARE, "sh", "-c", "mount -t tmpfs tmpfs /dev/shm && "
+             "echo 40 > /proc/sys/kernel/ns_last_pid && sh -c 'echo $$'"],
             capture_output=True, text=True, timeout=30)
     except FileNotFoundError:
         return "no unshare(1) on this machine (util-linux)"
     except subprocess.TimeoutExpired:
         return "unshare did not answer within 30 s"
     if probe.returncode != 0 or probe.stdout.strip() != "41":
-        return ("cannot make a PID namespace and choose its pids here (needs root or "
+        return ("cannot make a PID namespace, choose its pids and mount its own /dev/shm here "
+                "(needs root or "
                 f"CAP_SYS_ADMIN): {probe.stderr.strip() or probe.stdout.strip()}")
     return None
 
@@ -229,12 +232,14 @@ def test_pools_of_one_process_do_not_sweep_each_other():
 
 
 def test_a_dead_jobs_names_are_swept_although_its_pid_was_reused():
-    """In a new PID namespace: main, its workers and a forked child of it are SIGKILLed at
-    once, then main's pid is given to a new process. A sweep must still remove the
+    """In a new PID namespace (with a /dev/shm of its own, so that no other pool on the
+    machine sweeps the names first): main, its workers and a forked child of it are
+    SIGKILLed at once, then main's pid is given to a new process. A sweep must still remove the
     names (a check by pid would find the pid alive). The sweep does not depend on how
     the workers were started: fork only."""
     needs_pid_namespace()
-    proc, result = run_child("ns_init", 0, "pid_reuse", "fork", "all", timeout=150, prefix=UNSHARE)
+    proc, result = run_child("ns_init_own_shm", 0, "pid_reuse", "fork", "all", timeout=150,
+                             prefix=UNSHARE)
     print(result)
     assert proc.returncode == 0, describe(proc)
     assert result["recycled"], f"main's pid {result['main_pid']} went to {result['squatter']}"
@@ -269,7 +274,8 @@ def test_workers_leave_when_main_is_killed_and_its_pid_reused(method):
     right after the kill: kill(main_pid, 0) now succeeds, yet the workers must still
     see that main is gone, remove the names and exit."""
     needs_pid_namespace()
-    proc, result = run_child("ns_init", 0, "pid_reuse", method, "main", timeout=150, prefix=UNSHARE)
+    proc, result = run_child("ns_init_own_shm", 0, "pid_reuse", method, "main", timeout=150,
+                             prefix=UNSHARE)
     print(result)
     assert proc.returncode == 0, describe(proc)
     assert result["recycled"], f"main's pid {result['main_pid']} went to {result['squatter']}"
