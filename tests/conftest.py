@@ -99,6 +99,10 @@ def pytest_configure(config):
         multiprocessing.set_start_method(method, force=True)
     global _backstop_fd
     _backstop_fd = os.dup(2)  # the terminal: capture is not active in pytest_configure
+    if getattr(config.option, "numprocesses", None) and config.option.maxworkerrestart is None:
+        # under xdist a crashed worker (the backstop's exit among them) ends the run, as
+        # the backstop ends a run without xdist; see pytest_xdist_make_scheduler
+        config.option.maxworkerrestart = "0"
 
 
 # Modules whose tests share a module-scoped fixture that costs seconds: under xdist all
@@ -110,8 +114,11 @@ ONE_WORKER_MODULES = frozenset({"test_train_script.py", "test_runner.py", "test_
 def pytest_xdist_make_scheduler(config, log):
     """`-n N` (xdist's `--dist load`): each test is a unit of its own, as with `load`,
     except that a module of ONE_WORKER_MODULES is one unit (sent first: xdist orders
-    units by size)."""
-    if config.getoption("dist") != "load":
+    units by size). Only while a crashed worker ends the run (`--max-worker-restart 0`,
+    set in pytest_configure unless given): LoadScopeScheduling's recovery sends a new
+    worker one unit, and a worker runs nothing until it holds two, so with units of one
+    test a replaced worker would wait forever. Otherwise xdist's own `load` runs."""
+    if config.getoption("dist") != "load" or str(config.getoption("maxworkerrestart")) != "0":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
@@ -167,6 +174,8 @@ def pytest_runtest_protocol(item, nextitem):
 def pytest_collection_finish(session):
     gc.collect()
     gc.freeze()  # see the module docstring
+
+
 SETTLE_S = 5.0
 BACKSTOP_S = 60.0  # past the test's own limit (module docstring)
 _backstop_fd = None  # a dup of the terminal's stderr, made in pytest_configure
