@@ -92,7 +92,6 @@ def ns_init(first_pid, body, *args):
     sys.exit(child.returncode)
 
 
-
 def ns_init_own_shm(first_pid, body, *args):
     """ns_init with a /dev/shm of this namespace's own: a tmpfs mounted over it in the
     mount namespace that unshare's --mount-proc made (private: nothing outside sees
@@ -103,6 +102,7 @@ def ns_init_own_shm(first_pid, body, *args):
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m,mode=1777", "tmpfs", SHM],
                    check=True, timeout=30)
     ns_init(first_pid, body, *args)
+
 
 # ---------------------------------------------------------------------------
 # loaders

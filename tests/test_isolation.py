@@ -76,26 +76,43 @@ UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]
 
 @functools.cache
 def _namespace_refusal() -> str | None:
-    """Why a new PID namespace whose next pid we choose (and a /dev/shm of its own, for
-    ns_init_own_shm) cannot be made here, or None."""
+    """Why a new PID namespace whose next pid we choose cannot be made here, or None."""
     try:
         probe = subprocess.run(
-            [*UNSHARE, "sh", "-c", "mount -t tmpfs tmpfs /dev/shm && "
-             "echo 40 > /proc/sys/kernel/ns_last_pid && sh -c 'echo $$'"],
+            [*UNSHARE, "sh", "-c", "echo 40 > /proc/sys/kernel/ns_last_pid && sh -c 'echo $$'"],
             capture_output=True, text=True, timeout=30)
     except FileNotFoundError:
         return "no unshare(1) on this machine (util-linux)"
     except subprocess.TimeoutExpired:
         return "unshare did not answer within 30 s"
     if probe.returncode != 0 or probe.stdout.strip() != "41":
-        return ("cannot make a PID namespace, choose its pids and mount its own /dev/shm here "
-                "(needs root or "
+        return ("cannot make a PID namespace and choose its pids here (needs root or "
                 f"CAP_SYS_ADMIN): {probe.stderr.strip() or probe.stdout.strip()}")
     return None
 
 
 def needs_pid_namespace():
     reason = _namespace_refusal()
+    if reason:
+        pytest.skip(reason)
+
+
+@functools.cache
+def _own_shm_refusal() -> str | None:
+    """Why such a namespace cannot also mount a /dev/shm of its own (ns_init_own_shm)."""
+    try:
+        probe = subprocess.run([*UNSHARE, "mount", "-t", "tmpfs", "tmpfs", "/dev/shm"],
+                               capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        return "unshare did not answer within 30 s"
+    if probe.returncode != 0:
+        return f"cannot mount a tmpfs on /dev/shm in a new mount namespace: {probe.stderr.strip()}"
+    return None
+
+
+def needs_pid_namespace_with_own_shm():
+    needs_pid_namespace()
+    reason = _own_shm_refusal()
     if reason:
         pytest.skip(reason)
 
@@ -237,7 +254,7 @@ def test_a_dead_jobs_names_are_swept_although_its_pid_was_reused():
     SIGKILLed at once, then main's pid is given to a new process. A sweep must still remove the
     names (a check by pid would find the pid alive). The sweep does not depend on how
     the workers were started: fork only."""
-    needs_pid_namespace()
+    needs_pid_namespace_with_own_shm()
     proc, result = run_child("ns_init_own_shm", 0, "pid_reuse", "fork", "all", timeout=150,
                              prefix=UNSHARE)
     print(result)
@@ -273,7 +290,7 @@ def test_workers_leave_when_main_is_killed_and_its_pid_reused(method):
     """As above, inside a new PID namespace, and main's pid is handed to a new process
     right after the kill: kill(main_pid, 0) now succeeds, yet the workers must still
     see that main is gone, remove the names and exit."""
-    needs_pid_namespace()
+    needs_pid_namespace_with_own_shm()
     proc, result = run_child("ns_init_own_shm", 0, "pid_reuse", method, "main", timeout=150,
                              prefix=UNSHARE)
     print(result)
