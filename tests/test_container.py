@@ -424,12 +424,39 @@ def _names_of(pids) -> list[str]:
     return sorted(held | {n for n in names if any(f"-{pid}-" in n for pid in pids)})
 
 
-def test_sigkill_of_main_and_every_worker_leaves_nothing_and_frees_the_memory():
+def _cgroup_shmem(cgroup: str) -> int:
+    """The shmem (memfd and tmpfs pages) charged to `cgroup`: memory.stat's total_shmem
+    (v1, with its descendants) or shmem (v2)."""
+    with open(os.path.join(cgroup, "memory.stat")) as f:
+        stats = dict(line.split() for line in f)
+    return int(stats.get("total_shmem", stats.get("shmem", -1)))
+
+
+def _start_hold(cgroup: str | None):
+    """The `hold` child, in `cgroup` if one is given and it can join it; (child, its
+    READY line, the cgroup it is in or None)."""
+    if cgroup is not None:
+        child = subprocess.Popen(
+            ["sh", "-c", f'echo $$ > "$0/cgroup.procs" || exit {CANNOT_JOIN}; exec "$@"',
+             cgroup, sys.executable, CHILDREN, "hold"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        line = child.stdout.readline()  # bounded: the child exits by itself after 60 s
+        if line or child.wait(timeout=10) != CANNOT_JOIN:
+            return child, line, cgroup
+        child.communicate(timeout=10)  # v2's rule (no process in an inner node): without
     child = subprocess.Popen([sys.executable, CHILDREN, "hold"], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
+    return child, child.stdout.readline(), None
+
+
+def test_sigkill_of_main_and_every_worker_leaves_nothing_and_frees_the_memory():
+    """The memory coming back is read from the child's own memory cgroup where one can
+    be made (other tests of the run, under pytest-xdist, make and free pools meanwhile),
+    else from the machine's Shmem with a margin."""
+    made, _ = _make_memory_cgroup(f"poolloader-hold-{os.getpid()}", 8 << 30)
+    child, line, cgroup = _start_hold(made)
     pids: list[int] = []
     try:
-        line = child.stdout.readline()  # bounded: the child exits by itself after 60 s
         assert line.startswith("READY"), (line, child.stderr.read()[-3000:] if child.poll() else "")
         pids = [int(p) for p in line.split()[1:]]
         segments: dict[int, int] = {}
@@ -442,7 +469,10 @@ def test_sigkill_of_main_and_every_worker_leaves_nothing_and_frees_the_memory():
         pool_bytes = sum(allocated.values())
         assert pool_bytes >= 3 * (8 << 20), allocated
         assert _names_of(pids) == []  # nothing named
-        shmem_before = proc.shmem_bytes()
+        shmem = proc.shmem_bytes if cgroup is None else (lambda: _cgroup_shmem(cgroup))
+        shmem_before = shmem()
+        if cgroup is not None:
+            assert shmem_before >= pool_bytes, (shmem_before, pool_bytes)
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
         child.wait(timeout=10)
@@ -450,9 +480,12 @@ def test_sigkill_of_main_and_every_worker_leaves_nothing_and_frees_the_memory():
         # the kernel frees a memfd with its last holder: nobody holds any of them
         holders = proc.memfd_holders(segments)
         assert not any(holders.values()), holders
-        # and the memory came back (other processes may allocate meanwhile: a margin)
-        assert wait_until(lambda: shmem_before - proc.shmem_bytes() >= 0.75 * pool_bytes, 10.0), (
-            shmem_before, proc.shmem_bytes(), pool_bytes)
+        # and the memory came back (machine-wide, other processes may allocate
+        # meanwhile: a margin)
+        assert wait_until(lambda: shmem_before - shmem() >= 0.75 * pool_bytes, 10.0), (
+            cgroup, shmem_before, shmem(), pool_bytes)
+        print({"cgroup": cgroup, "shmem_before": shmem_before, "shmem_after": shmem(),
+               "pool_bytes": pool_bytes})
         assert _names_of(pids) == []
     finally:
         for pid in pids:
@@ -461,6 +494,8 @@ def test_sigkill_of_main_and_every_worker_leaves_nothing_and_frees_the_memory():
         if child.poll() is None:
             child.kill()
         child.communicate(timeout=10)
+        if made is not None:
+            _remove_cgroup(made)
 
 
 class FourMiB(torch.utils.data.Dataset):
