@@ -111,6 +111,13 @@ def _make_memory_cgroup(name: str, limit: int) -> tuple[str | None, str]:
     return directory, ""
 
 
+def _joining(cgroup: str, *argv: str) -> list[str]:
+    """`argv` run by a shell that first moves itself into `cgroup` (so the process it
+    execs, and every child of that, is charged there); exits CANNOT_JOIN if it cannot."""
+    return ["sh", "-c", f'echo $$ > "$0/cgroup.procs" || exit {CANNOT_JOIN}; exec "$@"',
+            cgroup, *argv]
+
+
 def _oom_kills(cgroup: str) -> int:
     """OOM kills in `cgroup` so far (v1 memory.oom_control, v2 memory.events)."""
     for name in ("memory.oom_control", "memory.events"):
@@ -167,10 +174,8 @@ def test_a_memory_limit_full_of_page_cache_runs_the_epochs_dataloader_runs(tmp_p
     path = str(tmp_path / "data.bin")
     try:
         _write_uncached(path, DATA_FILE_BYTES)
-        # the shell moves itself (so the child it becomes) into the cgroup, then execs
         child = subprocess.Popen(
-            ["sh", "-c", f'echo $$ > "$0/cgroup.procs" || exit {CANNOT_JOIN}; exec "$@"',
-             cgroup, sys.executable, CHILDREN, "cgroup-cache", path, cgroup],
+            _joining(cgroup, sys.executable, CHILDREN, "cgroup-cache", path, cgroup),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         out, err = communicate_within(child, 540, "the memory-limited child")
         if child.returncode == CANNOT_JOIN:  # v2's rule: no process in an inner node
@@ -238,8 +243,7 @@ def test_a_640_mib_limit_runs_varying_batches_over_epochs_as_dataloader_does():
             pytest.skip(reason)
         try:
             child = subprocess.Popen(
-                ["sh", "-c", f'echo $$ > "$0/cgroup.procs" || exit {CANNOT_JOIN}; exec "$@"',
-                 cgroup, sys.executable, CHILDREN, "cgroup-epochs", kind],
+                _joining(cgroup, sys.executable, CHILDREN, "cgroup-epochs", kind),
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             out, err = communicate_within(child, 240, f"the memory-limited {kind} child")
             if child.returncode == CANNOT_JOIN:  # v2's rule: no process in an inner node
@@ -437,13 +441,13 @@ def _start_hold(cgroup: str | None):
     READY line, the cgroup it is in or None)."""
     if cgroup is not None:
         child = subprocess.Popen(
-            ["sh", "-c", f'echo $$ > "$0/cgroup.procs" || exit {CANNOT_JOIN}; exec "$@"',
-             cgroup, sys.executable, CHILDREN, "hold"],
+            _joining(cgroup, sys.executable, CHILDREN, "hold"),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         line = child.stdout.readline()  # bounded: the child exits by itself after 60 s
         if line or child.wait(timeout=10) != CANNOT_JOIN:
             return child, line, cgroup
-        child.communicate(timeout=10)  # v2's rule (no process in an inner node): without
+        child.communicate(timeout=10)  # v2's rule (no process in an inner node): run it
+        # outside the cgroup
     child = subprocess.Popen([sys.executable, CHILDREN, "hold"], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     return child, child.stdout.readline(), None
@@ -480,8 +484,8 @@ def test_sigkill_of_main_and_every_worker_leaves_nothing_and_frees_the_memory():
         # the kernel frees a memfd with its last holder: nobody holds any of them
         holders = proc.memfd_holders(segments)
         assert not any(holders.values()), holders
-        # and the memory came back (machine-wide, other processes may allocate
-        # meanwhile: a margin)
+        # and the memory came back (a margin: machine-wide, other processes may allocate
+        # meanwhile)
         assert wait_until(lambda: shmem_before - shmem() >= 0.75 * pool_bytes, 10.0), (
             cgroup, shmem_before, shmem(), pool_bytes)
         print({"cgroup": cgroup, "shmem_before": shmem_before, "shmem_after": shmem(),
