@@ -191,6 +191,55 @@ def pid_reuse(method, what):
     _reap()
 
 
+def dead_and_live_jobs():
+    """Job A (main_until_killed, fork) is SIGKILLed with its workers, so nobody removes
+    its names; job B lives on. Records what is left after the kill, after a new pool
+    (whose start-up sweeps) and after a second sweep, then SIGKILLs B's main alone and
+    records whether B's workers remove its names and leave."""
+    from poolloader.shm.backends.posix import sweep_stale
+    from poolloader.shm.pool import SlotPool
+
+    def start():
+        job = subprocess.Popen([sys.executable, __file__, "main_until_killed", "fork", "0"],
+                               stdout=subprocess.PIPE, text=True, start_new_session=True)
+        prefix, main_pid, _, *workers = _read_ready(job, 90)
+        return job, prefix, int(main_pid), [int(w) for w in workers]
+
+    def kill_group(job):
+        try:
+            os.killpg(job.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        job.wait(10)
+
+    a, a_prefix, _, a_workers = start()
+    b, b_prefix, b_main, b_workers = start()
+    try:
+        kill_group(a)
+        _wait_until(lambda: not any(running(w) for w in a_workers), 10, reap=True)
+        a_left = names_with(a_prefix)
+        b_before = names_with(b_prefix)
+        pool = SlotPool(num_workers=1, slots=1, max_slots=2, slot_bytes=1 << 16)
+        try:
+            a_after_pool, b_after_pool = names_with(a_prefix), names_with(b_prefix)
+            removed = sweep_stale()  # a second sweep: B and this pool are alive
+            wrongly_removed = [n for n in removed if ("/" + n).startswith((b_prefix, pool.prefix))]
+            pool_names = names_with(pool.prefix)
+        finally:
+            pool.close()
+        b_alive = b.poll() is None
+        os.kill(b_main, signal.SIGKILL)
+        b_gone = _wait_until(lambda: not names_with(b_prefix), 5.0, reap=True)
+        b_workers_gone = _wait_until(lambda: not any(running(w) for w in b_workers), 5.0, reap=True)
+    finally:
+        kill_group(a)
+        kill_group(b)
+    _result(a_left=a_left, b_before=b_before, a_after_pool=a_after_pool,
+            b_after_pool=b_after_pool, wrongly_removed=wrongly_removed, pool_names=pool_names,
+            b_alive=b_alive, b_gone=b_gone, b_left=names_with(b_prefix),
+            b_workers_gone=b_workers_gone)
+
+
 def _ppid(pid: int) -> int:
     with open(f"/proc/{pid}/stat") as f:
         return int(f.read().rsplit(")", 1)[1].split()[1])
