@@ -161,4 +161,4 @@ def test_growth_refused_stops_the_iterator_instead_of_hanging():
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="shut down by the error raised before"):
         next(it)
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 5.0  # a hang blocks for good; margin for a loaded machine

@@ -297,7 +297,7 @@ def test_gate_waits_are_bounded_when_a_stream_never_finishes(monkeypatch):
     gate.release("k")
     t0 = time.monotonic()
     assert gate.wait_any(0.3) == []
-    assert 0.3 <= time.monotonic() - t0 < 2.0
+    assert 0.3 <= time.monotonic() - t0 < 5.0
     assert stats.cooling_waits == 1 and stats.cooling_wait_s >= 0.3
 
     # teardown: bounded, then the pool stays registered and mapped until a later gate
@@ -310,7 +310,7 @@ def test_gate_waits_are_bounded_when_a_stream_never_finishes(monkeypatch):
     t0 = time.monotonic()
     with pytest.warns(RuntimeWarning, match="did not finish within"):
         it._shutdown_workers()
-    assert 0.3 <= time.monotonic() - t0 < 3.0
+    assert 0.3 <= time.monotonic() - t0 < 5.0
     stuck = dict(sim.registered)
     assert stuck
     side.hung = False

@@ -417,7 +417,9 @@ def test_bad_values_are_refused(monkeypatch):
     began = time.monotonic()
     del alone
     gc.collect()
-    assert time.monotonic() - began < 1.0
+    # waiting for the other rank would take RENDEZVOUS_TIMEOUT (120 s); joining the
+    # workers takes well under a second, but a loaded machine may stretch it
+    assert time.monotonic() - began < 10.0
 
 
 def test_the_node_segment_holds_every_process_s_error_record_and_drops_locks_at_close():

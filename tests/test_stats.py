@@ -30,7 +30,9 @@ def test_slow_workers_show_as_main_waiting_and_slow_consumer_as_worker_idle():
     # Ordering with margins, not ratios: a busy machine adds waits to both runs.
     assert slow_workers["worker_busy_s"] > 0.9
     assert slow_workers["main_wait_s"] > 0.3
-    assert slow_workers["main_wait_s"] > slow_consumer["main_wait_s"] + 0.2
+    # compared past the first batch: the workers' start-up is a wait in both runs, and
+    # a loaded machine can stretch one run's by more than the margin
+    assert slow_workers["steady_wait_s"] > slow_consumer["steady_wait_s"] + 0.2
     # a slow consumer (12 × 50 ms) leaves the workers idle
     assert slow_consumer["worker_idle_s"] > 0.5
     assert slow_consumer["worker_idle_s"] > slow_workers["worker_idle_s"] + 0.2
