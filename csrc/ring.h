@@ -325,4 +325,16 @@ static inline int pl_doorbell_wait(void *b, double seconds) {
     return -errno;
 }
 
+/*
+ * A request's claim: a u64 word in the request's slot (poolloader.wire.slot_format,
+ * F_CLAIM) holds the ticket the request went out with (never 0). Whoever swaps it
+ * from that ticket to 0 first has the request: the worker that popped it, or main
+ * moving the not yet started request to another slot. 1 if this call did, else 0.
+ */
+static inline int pl_claim(void *word, uint64_t ticket) {
+    uint64_t expected = ticket;
+    return __atomic_compare_exchange_n((uint64_t *)word, &expected, 0, 0,
+                                       __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+}
+
 #endif

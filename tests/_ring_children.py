@@ -109,3 +109,18 @@ def consume(shared, nbytes, ring_at, count, timeout):
         value = ring.pop(timeout)
         if value != expected:
             sys.exit(f"popped {value}, expected {expected}")
+
+
+def claim_all(shared, nbytes, words, wins_at, backwards):
+    """Claim each of `words` u64 claim words (word i holds ticket i + 1), in order or
+    `backwards`, and mark the ones this process won with a 1 byte at wins_at + i
+    (after a 1 at wins_at + words: attached, about to start)."""
+    from poolloader.shm._ring import claim
+
+    mapping = _open(shared, nbytes)
+    marks = memoryview(mapping)
+    marks[wins_at + words] = 1  # attached: the parent starts now too
+    order = range(words - 1, -1, -1) if backwards else range(words)
+    for i in order:
+        if claim(mapping, i * 8, i + 1):
+            marks[wins_at + i] = 1

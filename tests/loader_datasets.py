@@ -42,6 +42,29 @@ class AugmentDataset(Dataset):
         }
 
 
+class SlowAugmentDataset(Dataset):
+    """AugmentDataset's draws in a tensor big enough to stay in its slot (256 KiB: a
+    view, not copied into the small block), after a sleep of `delay` seconds plus up to
+    `jitter` (fixed per index): the workers are the bottleneck, by as much as chosen."""
+
+    def __init__(self, n=48, delay=0.0, jitter=0.0, numel=1 << 16):
+        self.n, self.delay, self.jitter, self.numel = n, delay, jitter, numel
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        time.sleep(self.delay + self.jitter * (i * 2654435761 % 1000) / 1000)
+        info = get_worker_info()
+        return {
+            "image": torch.rand(self.numel) + i,
+            "np": np.random.rand(2).astype(np.float32),
+            "py": random.random(),
+            "index": i,
+            "worker": -1 if info is None else info.id,
+        }
+
+
 class VariedDataset(Dataset):
     """Structures of every kind a collate_fn may return, at odd sizes."""
 

@@ -186,3 +186,73 @@ def test_an_interrupted_rank_of_a_share_group_loses_at_most_its_batch(tmp_path, 
         assert r["fired"] == ([2] if rank == trapped else []), (rank, r, logs)
         assert r["equal0"] and r["equal1"], (rank, r, logs)
         assert r["lost"] in ((0, 1) if rank == trapped else (0,)), (rank, r)
+
+
+# -- a request moved before its worker starts on it (issue 45: PoolLoaderIter._move_newest) --
+
+MOVE_WINDOWS = {
+    # recorded in ledger.moving, the target not yet off `free` nor in `inflight`
+    "move_recorded": lambda: _AfterLine(PoolLoaderIter._move_newest, "ledger.moving = ("),
+    # the claim swapped and the target pushed (one C call), nothing recorded after it
+    "move_pushed": lambda: _AtEntry(PoolLoaderIter._settle_move),
+    # _settle_move half done: the old slot out of `inflight`, not yet FREE
+    "move_settling": lambda: _AfterLine(PoolLoaderIter._settle_move, "self._sent_indices.pop"),
+}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("window", sorted(MOVE_WINDOWS))
+def test_an_interrupted_move_loses_at_most_its_batch(window):
+    """A worker-bound loop (moves happen at most calls); the first next() that reaches
+    the window is interrupted there. The epoch is DataLoader's less at most that call's
+    batch, none twice; the next epoch is DataLoader's; every slot comes back, none is
+    detached, and no request is lost (the epoch ends: timeout= bounds every wait)."""
+    data = ds.SlowAugmentDataset(n=40, delay=0.02)
+    fired: list[int] = []
+
+    def run(loader):
+        epochs = []
+        for epoch in range(2):
+            got, k, trap = [], 0, None
+            it = iter(loader)
+            while True:
+                if isinstance(loader, PoolLoader) and not fired and epoch == 0:
+                    trap = MOVE_WINDOWS[window]()
+                    sys.settrace(trap)
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    break
+                except KeyboardInterrupt:
+                    assert trap is not None and trap.fired
+                    fired.append(k)
+                    k += 1
+                    continue
+                finally:
+                    sys.settrace(None)
+                got.append({key: v.clone() if isinstance(v, torch.Tensor) else v
+                            for key, v in batch.items()})
+                del batch
+                k += 1
+            epochs.append(got)
+            if isinstance(loader, PoolLoader):
+                gc.collect()
+                ledger = loader._iterator._ledger
+                ledger.drain()
+                assert not ledger.leases and not ledger.inflight, (ledger.leases, ledger.inflight)
+                assert sorted(ledger.free) == list(range(ledger.pool.num_slots)), \
+                    f"slots not back after epoch {epoch}: free {sorted(ledger.free)}"
+                assert loader.stats.detaches == 0 and ledger.moving is None
+        return epochs
+
+    ref, got = both_loaders(lambda cls: cls(
+        data, batch_size=2, shuffle=True, num_workers=2, persistent_workers=True, timeout=30,
+        generator=torch.Generator().manual_seed(9)), run)
+    assert len(fired) == 1, fired
+    k = fired[0]
+    first, expected = got[0], ref[0]
+    if len(first) == len(expected):  # interrupted before its batch left: none lost
+        assert_same(expected, first, "interrupted epoch")
+    else:
+        assert_same(expected[:k] + expected[k + 1:], first, "interrupted epoch")
+    assert_same(ref[1], got[1], "next epoch")

@@ -26,7 +26,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from poolloader.errors import RingClosed, RingTimeout
-from poolloader.shm._ring import DOORBELL_BYTES, TIMED_WAIT, Doorbell, Ring
+from poolloader.shm._ring import DOORBELL_BYTES, TIMED_WAIT, Doorbell, Ring, claim, claim_and_push
 from poolloader.shm._shm import Mapping
 
 INT64 = st.integers(-(2**63), 2**63 - 1)
@@ -549,3 +549,59 @@ def test_the_sem_timedwait_fallback_passes_the_ring_tests(tmp_path):
     summary = out.strip().splitlines()[-1] if out.strip() else ""
     assert run.returncode == 0, f"{out[-6000:]}\n{err[-2000:]}"
     assert re.search(r"\d+ passed", summary) and "deselected" in summary, summary
+
+
+# ---------------------------------------------------------------- claims
+
+def test_claims_raced_by_two_processes_go_to_exactly_one_of_them(ctx, shared):
+    """A request's claim word (the worker that pops it and main moving it race for it):
+    a child and this process swap the same 20000 words from their tickets to 0, the
+    child from the end, this process from the start once the child is attached, so
+    they race where they meet. Every word is won exactly once, and holds 0 after."""
+    words = 20000
+    nbytes = words * 8 + words + 1
+    mapping, handle = shared(nbytes)
+    u64 = memoryview(mapping).cast("B")[:words * 8].cast("Q")
+    for i in range(words):
+        u64[i] = i + 1
+    child = ctx.Process(target=children.claim_all, args=(handle, nbytes, words, words * 8, True))
+    child.start()
+    try:
+        marks = memoryview(mapping)[words * 8:]
+        deadline = time.monotonic() + 60
+        while not marks[words] and time.monotonic() < deadline and child.is_alive():
+            time.sleep(0.001)
+        marks.release()
+        mine = [i for i in range(words) if claim(mapping, i * 8, i + 1)]
+        child.join(60)
+        assert child.exitcode == 0
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join(10)
+    marks = memoryview(mapping)[words * 8:]
+    theirs = [i for i in range(words) if marks[i]]
+    marks.release()
+    print(f"this process won {len(mine)}, the child {len(theirs)}")
+    assert sorted(mine + theirs) == list(range(words))
+    assert not any(u64[i] for i in range(words))
+    u64.release()
+
+
+def test_a_claim_wins_only_its_ticket_and_pushes_only_when_it_wins():
+    mapping = local_memory(4096 + Ring.nbytes(1))
+    ring = Ring(mapping, 4096, capacity=1)
+    word = memoryview(mapping).cast("B")[:8].cast("Q")
+    word[0] = 7
+    assert not claim(mapping, 0, 6) and word[0] == 7  # another ticket: not this request
+    assert claim_and_push(mapping, 0, 6, ring, 40) == 0 and len(ring) == 0
+    assert claim_and_push(mapping, 0, 7, ring, 41) == 1 and word[0] == 0 and ring.try_pop() == 41
+    assert not claim(mapping, 0, 7)  # taken once, by one side only
+    word[0] = 9
+    assert ring.try_push(1)  # full: the claim is still taken, and the caller told
+    assert claim_and_push(mapping, 0, 9, ring, 42) == 2 and word[0] == 0
+    with pytest.raises(ValueError, match="no aligned u64"):
+        claim(mapping, 3, 1)
+    with pytest.raises(ValueError, match="no aligned u64"):
+        claim(mapping, len(mapping) - 4, 1)
+    word.release()

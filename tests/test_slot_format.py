@@ -79,6 +79,32 @@ def test_requests_small_and_large_round_trip_with_their_types(slot):
         assert not _round_trip(mapping, header, index, int_list=False)
 
 
+def test_a_moved_request_reads_as_written_and_ring_values_carry_slot_and_ticket():
+    """copy_request (main moving a request before its worker starts on it) gives the
+    target slot the same request, small or large (at DATA_OFF), with the fields the
+    worker echoes and the shared seed; a ring value splits back into slot and ticket."""
+    pool = SlotPool(num_workers=1, slots=2, max_slots=2, slot_bytes=2 << 20)
+    try:
+        (a, b) = pool.mappings
+        ha, hb = fmt.header_view(a), fmt.header_view(b)
+        for index in ([5, 6, 7], list(range(40_000)), {"key": (1, 2)}):
+            request = fmt.encode_request(index, isinstance(index, list))
+            fmt.write_request(a, ha, seq=9, epoch=3, worker=2, request=request, shared_seed=77)
+            fmt.copy_request(a, ha, b, hb)
+            assert _same(fmt.read_request(b, hb), index)
+            assert [int(hb[f]) for f in (fmt.F_MAGIC, fmt.F_STATUS, fmt.F_SEQ, fmt.F_EPOCH,
+                                         fmt.F_WORKER, fmt.F_SHARED_SEED)] == \
+                [fmt.SLOT_MAGIC, fmt.ST_REQUESTED, 9, 3, 2, 77]
+        del ha, hb, a, b
+    finally:
+        gc.collect()
+        pool.close()
+    for slot, ticket in ((0, 1), (fmt.MAX_SLOTS - 1, fmt.TICKET_LIMIT - 1), (17, 123456789)):
+        value = fmt.ring_value(slot, ticket)
+        assert 0 <= value < 1 << 63 and fmt.ring_entry(value) == (slot, ticket)
+    assert fmt.ring_entry(-5) == (-5, 0)  # a stray write: refused by the slot's bounds check
+
+
 def test_reply_must_echo_batch_and_worker(slot):
     mapping, header = slot
     fmt.write_request(mapping, header, seq=7, epoch=0, worker=1, request=fmt.encode_request([0]))

@@ -122,6 +122,10 @@ class PoolLoaderIter(TrackedNext, RequestScheduling, IteratorTeardown,
         self._stats: LoaderStats = loader.stats
         self._epoch_started = time.perf_counter()  # start-up counts from here (stats)
         self._last_delivery: float | None = None
+        # main_wait_s as this call began (_next_host), and which of the 4 calls before
+        # it waited for a worker (a bit each, the latest lowest): _worker_bound
+        self._wait_mark = float("inf")
+        self._waited = 0
         # slot -> the sample indices sent in its request (a reference): stall reports
         self._sent_indices: dict[int, object] = {}
         self._int_list_requests = _yields_int_lists(self._index_sampler)
@@ -337,6 +341,8 @@ class PoolLoaderIter(TrackedNext, RequestScheduling, IteratorTeardown,
         ledger = self._ledger
         self._settle_delivery()
         ledger.settle()
+        if ledger.moving is not None:
+            self._settle_move()
         self._resume.settle_handing()  # a staged batch's reply came before these
         told = []  # what the resume state learned: a share_batches group's followers too
         for info in self._task_info.values():  # taken, never delivered: their workers moved on
@@ -473,6 +479,16 @@ class PoolLoaderIter(TrackedNext, RequestScheduling, IteratorTeardown,
             self._settle_delivery()
         if ledger.returned:
             ledger.settle()
+        if ledger.moving is not None:
+            self._settle_move()
+        waited = self._stats.main_wait_s
+        self._waited = (self._waited << 1 | (waited > self._wait_mark)) & 0xF
+        self._wait_mark = waited
+        if ledger.newest is not None:
+            # now, not at the refill after the wait: the batch the consumer dropped since
+            # the last call freed a slot, and the newest request's worker may start on
+            # it any moment
+            self._move_newest()
         if self._stats.iter_s >= self._review_at and not self._sampler_exhausted:
             self._review_processes()  # node_workers="auto": may restart the workers
             ledger = self._ledger

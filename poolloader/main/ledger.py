@@ -55,6 +55,15 @@ IDLE_TAKES = 16
 # A share_batches hold that is never given back (SlotLedger.share_abandon).
 _NEVER = 1 << 62
 
+# Every request pushed by this process gets a ticket of its own (slot_format.ring_value):
+# one counter for all ledgers, so a ring's stale entry never matches a later request.
+_TICKETS = itertools.count(1)
+
+
+def new_ticket() -> int:
+    """A ticket no request of this process had (never 0; slot_format.ring_value)."""
+    return next(_TICKETS) % (fmt.TICKET_LIMIT - 1) + 1
+
 
 def default_slots(in_flight: int) -> int:
     return in_flight + SPARE_SLOTS
@@ -87,6 +96,11 @@ def plan_sizes(loader, gated: bool, in_flight: int, most_in_flight: int | None =
     capacity = slot_capacity(slots, max(in_flight, most_in_flight or 0), loader.max_slots)
     max_slots = loader.max_slots if loader.max_slots is not None else capacity * (2 if gated else 1)
     slot_bytes = max(loader.slot_bytes, loader.stats.learned_slot_bytes, fmt.MIN_SLOT_BYTES)
+    if max_slots > fmt.MAX_SLOTS:  # a request ring's value has SLOT_BITS for the slot
+        raise ValueError(
+            f"a pool of {max_slots} slots is more than the {fmt.MAX_SLOTS} a PoolLoader can "
+            f"address (slots={loader.slots}, max_slots={loader.max_slots}, num_workers × "
+            f"prefetch_factor = {in_flight}): pass a smaller max_slots= or prefetch_factor=")
     return Sizing(min(slots, max_slots), capacity, max_slots, slot_bytes)
 
 
@@ -127,6 +141,16 @@ class SlotLedger:
         self._takes = 0
         self._freed_at: dict[int, int] = {}
         self._emptied = 0
+        # slots whose data pages no batch wrote (a new segment, or pages given back): a
+        # request sent in one of them may move to a written FREE slot before its worker
+        # starts on it (PoolLoaderIter._move_newest); `newest`: (slot, ticket, worker)
+        # of the last request sent, if it went into such a slot and nothing was pushed
+        # to its worker since; `moving`: (from, to, [result]) of a move until recorded
+        self.clean: set[int] = set(range(pool.num_slots))
+        self.took_clean = False
+        self.newest: tuple[int, int, int] | None = None
+        self.moving: tuple[int, int, list] | None = None
+        self._cleaned_at = -IDLE_TAKES  # the take count at the last clean_top()
 
     # -- views of a slot --------------------------------------------------------
     def mapping(self, slot: int):
@@ -197,6 +221,9 @@ class SlotLedger:
         self.taking = slot
         self._takes += 1
         self._freed_at.pop(slot, None)
+        clean = self.clean
+        self.took_clean = slot in clean
+        clean.discard(slot)
         self._return_idle()
         return slot
 
@@ -222,6 +249,7 @@ class SlotLedger:
         self._emptied = emptied + 1
         if self.pool.return_pages(slot, fmt.DATA_OFF):
             self.stats.pages_returned += 1
+            self.clean.add(slot)
 
     def put_back(self) -> None:
         """The caller of take() could not record the slot it got (an error or an
@@ -230,12 +258,47 @@ class SlotLedger:
         if slot is not None and slot not in self.inflight:
             self.give_back(slot)
 
-    @staticmethod
-    def push(ring, slot: int, pushed: list) -> None:
-        """Push `slot` on `ring` (a request ring, with room for every slot) and append
-        try_push's result to `pushed`, in one C-level call: whatever a signal handler
-        raises, `pushed` says whether the slot went out."""
-        pushed.extend(itertools.starmap(type(ring).try_push, ((ring, slot),)))
+    def push(self, ring, slot: int, pushed: list) -> int:
+        """Push the request in `slot` on `ring` (a request ring, with room for every
+        slot) under a new ticket (its claim word, and the ring value's high bits:
+        slot_format.ring_value) and append try_push's result to `pushed`, in one C-level
+        call: whatever a signal handler raises, `pushed` says whether the slot went
+        out. Returns the ticket."""
+        ticket = new_ticket()
+        self.header(slot)[fmt.F_CLAIM] = ticket
+        pushed.extend(itertools.starmap(type(ring).try_push,
+                                        ((ring, fmt.ring_value(slot, ticket)),)))
+        return ticket
+
+    def clean_top(self, every: int = 0) -> None:
+        """The FREE slot the next take() hands out (on top of `free`) gives back the
+        pages a batch wrote there; with `every`, at most once per that many takes
+        (returning 66 MiB costs main ~5 ms, and the next batch written there the page
+        faults): PoolLoaderIter._send and _settle_move."""
+        if self.released:
+            self.drain()
+        free = self.free
+        if not free or free[-1] in self.clean or self._takes - self._cleaned_at < every:
+            return
+        self._cleaned_at = self._takes
+        if self.pool.return_pages(free[-1], fmt.DATA_OFF):
+            self.stats.pages_returned += 1
+            self.clean.add(free[-1])
+
+    def move_target(self, slot: int) -> int | None:
+        """Where the request in `slot` (a clean one) may move: the FREE slot on top of
+        `free` (the batch the consumer dropped last), if a batch wrote its pages and it
+        is as big as `slot`; else None."""
+        if self.released:
+            self.drain()
+        free = self.free
+        if not free:
+            return None
+        target = free[-1]
+        pool = self.pool
+        if target in self.clean or pool.mappings[target] is None or pool.size(target) < pool.size(slot):
+            return None
+        return target
 
     def settle(self) -> None:
         """Drop the replies at the front of `returned` that were handled (their slot
@@ -377,6 +440,7 @@ class SlotLedger:
         except ShmSpaceError as e:
             raise self._space_error(e) from None
         self.stats.pool_growths += 1
+        self.clean.add(slot)
         return slot
 
     def _refill(self, slot: int) -> None:
@@ -384,6 +448,7 @@ class SlotLedger:
             self.pool.refill(slot)
         except ShmSpaceError as e:
             raise self._space_error(e) from None
+        self.clean.add(slot)
 
     def replace(self, slot: int, nbytes: int, written: int | None = None) -> None:
         self._headers.pop(slot, None)
@@ -392,6 +457,10 @@ class SlotLedger:
         except ShmSpaceError as e:
             raise self._space_error(e) from None
         self.stats.slot_growths += 1
+        if written is None:
+            self.clean.add(slot)
+        else:  # grown for a batch its worker holds: written next
+            self.clean.discard(slot)
 
     def grow(self, slot: int, needed: int, worker: int) -> None:
         """A worker needs `slot` to hold `needed` bytes: a fresh, larger segment."""
@@ -436,6 +505,7 @@ class SlotLedger:
         self.free = [s for s in range(self.pool.num_slots - 1, -1, -1)
                      if s not in leased and s not in self.inflight and s not in cooling]
         self._emptied = 0  # a new order: idle slots are found again (returning twice is harmless)
+        self.newest = None
 
     def close(self) -> None:
         """Before the pool closes (workers stopped). With a gate: wait (bounded) for the

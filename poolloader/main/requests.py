@@ -10,6 +10,8 @@ import itertools
 from typing import Any
 
 from poolloader.errors import ControlCorrupt, SlotCorrupt
+from poolloader.main.ledger import IDLE_TAKES, new_ticket
+from poolloader.shm._ring import claim_and_push
 from poolloader.wire import slot_format as fmt
 
 
@@ -45,6 +47,9 @@ class RequestScheduling:
     _worker_queue_idx_cycle: Any
     _workers_num_tasks: Any
     _workers_status: Any
+    _stats: Any
+    _wait_mark: float
+    _waited: int
 
     def _try_put_index(self) -> None:
         """DataLoader's _try_put_index, call for call: each call draws its index and
@@ -125,6 +130,84 @@ class RequestScheduling:
         self._puts_owed -= 1
         self._held.append((index, worker, self._shared_seed))
 
+    def _worker_bound(self) -> bool:
+        """Whether main is waiting for its workers: this call or one of the 4 before it
+        did (with 8 workers on few cores, batches come in bursts: some calls find theirs
+        ready while main is waiting most of the time)."""
+        return bool(self._waited) or self._stats.main_wait_s > self._wait_mark
+
+    def _move_newest(self) -> None:
+        """Move the last request sent to a FREE slot that a batch has written, if it
+        went into a clean slot (no batch wrote its pages: a memory cgroup is not
+        charged for them) and its worker has not started on it: the clean slot is
+        FREE again, for the request about to be sent, so a `for` loop's pool keeps one
+        slot clean (issue 45). The request goes when DataLoader's would (it was sent
+        at its call), to the same worker, in the same place of that worker's order
+        (nothing was pushed since): its worker, popping the old entry, finds the claim
+        taken and skips it (poolloader.worker.loop.claimed). A move that loses the
+        race to its worker leaves everything as it was. O(1): a header copy, one
+        atomic swap and one push.
+
+        Every step until the swap-and-push (one C call) is recorded in
+        `ledger.moving` first, so an interrupt anywhere leaves it to _settle_move."""
+        ledger = self._ledger
+        slot, ticket, worker = ledger.newest
+        ledger.newest = None
+        if slot not in ledger.inflight:
+            return
+        target = ledger.move_target(slot)
+        if target is None:
+            return
+        ring = self._request_rings[worker]
+        if len(ring) >= ring.capacity:  # its stale entry needs a cell too, until popped
+            return
+        fmt.copy_request(ledger.mapping(slot), ledger.header(slot), ledger.mapping(target),
+                         ledger.header(target))
+        moved_ticket = new_ticket()
+        ledger.header(target)[fmt.F_CLAIM] = moved_ticket
+        moved: list = []
+        ledger.moving = (slot, target, moved)
+        ledger.free.pop()  # `target`, on top (move_target)
+        ledger.inflight[target] = ledger.inflight[slot]
+        self._sent_indices[target] = self._sent_indices.get(slot)
+        moved.extend(itertools.starmap(claim_and_push, (
+            (ledger.header(slot), fmt.CLAIM_OFF, ticket, ring,
+             fmt.ring_value(target, moved_ticket)),)))
+        self._settle_move()
+        if moved[0] == 1 and self._request_bells is not None:
+            self._request_bells[worker].ring()
+
+    def _settle_move(self) -> None:
+        """Record the move in `ledger.moving` (also for one an interrupt cut short; each
+        step may run twice): the request's old slot FREE and clean if the move won its
+        claim, else the target FREE again."""
+        ledger = self._ledger
+        source, target, moved = ledger.moving
+        won = bool(moved) and moved[0] != 0
+        back = source if won else target  # main's again: FREE
+        ledger.inflight.pop(back, None)
+        self._sent_indices.pop(back, None)
+        if back not in ledger.free:
+            ledger.free.append(back)
+        if won:
+            ledger.clean.add(source)
+        if ledger.moving is not None:
+            if won:
+                ledger.stats.requests_moved += 1
+            elif moved and self._worker_bound():
+                # its worker took it first, into the clean slot, while the target's
+                # pages are charged for a batch that is dead: they go back now, before
+                # that worker writes its batch, so the pool's charge stays where it was
+                # (main waits for its workers anyway; the next batch written into the
+                # target faults its pages in again)
+                ledger.clean_top()
+        ledger.moving = None
+        if won and moved[0] == 2:
+            error = SlotCorrupt(f"internal error: the request ring of worker "
+                                f"{ledger.inflight[target][1]} is full")
+            self._fail(error)
+            raise error
+
     def _send(self, index, worker: int, seed) -> None:
         """Write and push the first held request. Everything it records is recorded
         before the push, and the push marks itself in the same C call
@@ -132,6 +215,15 @@ class RequestScheduling:
         cannot be pickled, an interrupt) undoes all of it, keeping the request held
         for the retry; one after the push (a signal handler's) leaves it sent, once."""
         ledger = self._ledger
+        if ledger.newest is not None:
+            self._move_newest()
+        plain = ledger.gate is None and self._share is None and self._node is None
+        if plain and self._worker_bound():
+            # a request sent now in a clean slot will likely move at the next call, so
+            # if the slot take() hands out was written, its pages go back (at most once
+            # per IDLE_TAKES takes): after a time the consumer was the bottleneck (its
+            # workers took every request at once), the pool keeps a clean slot again
+            ledger.clean_top(IDLE_TAKES)
         seq, outstanding, held = self._send_idx, self._tasks_outstanding, self._held
         request_held = held[0]
         ring = self._request_rings[worker]
@@ -149,10 +241,11 @@ class RequestScheduling:
             self._tasks_outstanding = outstanding + 1
             self._send_idx = seq + 1
             held.popleft()
-            ledger.push(ring, slot, pushed)
+            ticket = ledger.push(ring, slot, pushed)
             if not pushed[0]:
                 raise SlotCorrupt(f"internal error: the request ring of worker {worker} is "
                                   f"full ({ring.capacity} cells, one per slot)")
+            ledger.newest = (slot, ticket, worker) if ledger.took_clean and plain else None
             if self._request_bells is not None:
                 self._request_bells[worker].ring()
         except BaseException as e:
@@ -184,6 +277,8 @@ class RequestScheduling:
             ledger.grow(slot, fmt.needed_bytes(ledger.header(slot)), worker)
             fmt.stamp(ledger.header(slot), seq, self._epoch, worker)
             ledger.returned.popleft()
+            if ledger.newest is not None and ledger.newest[2] == worker:
+                ledger.newest = None  # behind it on its worker's ring now: stays where it is
             ledger.push(self._request_rings[worker], slot, pushed)
             if not pushed[0]:
                 raise SlotCorrupt(f"internal error: the request ring of worker {worker} is full")

@@ -32,6 +32,9 @@ class LoaderStats:
                      the pool had been deeper than its requests and held batches
                      needed for a while (ledger.IDLE_TAKES; never on CUDA: see
                      SlotLedger._return_idle)
+    requests_moved   requests moved, before their worker started on them, from a slot
+                     whose pages no batch had written to a FREE one that a batch had:
+                     the clean slot stays uncharged (issue 45; PoolLoaderIter._move_newest)
     cooling_growths  slots added because every free slot was still cooling: waiting
                      for CUDA copies that may read it (pin_memory=True / device=)
     cooling_waits    times next() had to wait for a cooling slot (the pool was at
@@ -82,6 +85,7 @@ class LoaderStats:
         self.pool_growths = 0
         self.detaches = 0
         self.pages_returned = 0
+        self.requests_moved = 0
         self.cooling_growths = 0
         self.cooling_waits = 0
         self.cooling_wait_s = 0.0
@@ -252,6 +256,7 @@ class LoaderStats:
             "worker_idle_s": round(self.worker_idle_s, 6),
             "slot_growths": self.slot_growths, "pool_growths": self.pool_growths,
             "detaches": self.detaches, "pages_returned": self.pages_returned,
+            "requests_moved": self.requests_moved,
             "cooling_growths": self.cooling_growths, "cooling_waits": self.cooling_waits,
             "cooling_wait_s": round(self.cooling_wait_s, 6),
             "startup_s": round(self.startup_s, 6), "iter_s": round(self.iter_s, 6),

@@ -43,6 +43,7 @@ cdef extern from "ring.h" nogil:
     int pl_doorbell_is_valid(void *b)
     void pl_doorbell_ring(void *b)
     int pl_doorbell_wait(void *b, double seconds)
+    int pl_claim(void *word, uint64_t ticket)
 
 RING_HEADER_BYTES = PL_RING_HEADER_BYTES_
 DOORBELL_BYTES = PL_DOORBELL_BYTES_
@@ -241,6 +242,35 @@ cdef class Ring(_Shared):
             "in dataset, collate or extension code running in a worker); nothing was read "
             "or written outside the ring.")
         raise ControlCorrupt(self._broken)
+
+
+cdef int _claim(object buffer, Py_ssize_t offset, uint64_t ticket) except -1:
+    cdef Py_buffer view
+    cdef int won
+    PyObject_GetBuffer(buffer, &view, PyBUF_WRITABLE | PyBUF_SIMPLE)
+    try:
+        if offset < 0 or offset + 8 > view.len or (<size_t>view.buf + offset) % 8:
+            raise ValueError(f"no aligned u64 at offset {offset} of a buffer of {view.len} bytes")
+        won = pl_claim(<uint8_t *>view.buf + offset, ticket)
+    finally:
+        PyBuffer_Release(&view)
+    return won
+
+
+def claim(buffer, Py_ssize_t offset, uint64_t ticket):
+    """Take the request whose claim word (the u64 at `offset` of `buffer`) holds
+    `ticket`: swap it to 0 atomically. True if this call did; False if the word holds
+    anything else (someone took it first, or the slot carries another request now)."""
+    return _claim(buffer, offset, ticket) == 1
+
+
+def claim_and_push(buffer, Py_ssize_t offset, uint64_t ticket, Ring ring, int64_t value):
+    """claim(), and if it won, ring.try_push(value), in one call (no signal handler
+    runs between them): 0 lost the claim (nothing pushed), 1 claimed and pushed, 2
+    claimed but the ring was full."""
+    if _claim(buffer, offset, ticket) != 1:
+        return 0
+    return 1 if ring.try_push(value) else 2
 
 
 cdef class Doorbell(_Shared):

@@ -51,7 +51,7 @@ from poolloader.errors import SlotCorrupt
 from poolloader.shm.backend import page_round
 
 SLOT_MAGIC = 0x746F6C536C50  # "PlSlot"
-HEADER_FIELDS = 17
+HEADER_FIELDS = 18
 (F_MAGIC,          # SLOT_MAGIC
  F_STATUS,         # one of the ST_* values
  F_SEQ,            # the batch's send index (main writes, worker echoes: main's ownership check)
@@ -70,6 +70,8 @@ HEADER_FIELDS = 17
  F_STATE_LEN,      # its length in bytes (0: none)
  F_SHARED_SEED,    # the epoch's shared seed (DataLoader's _shared_seed: IterDataPipe
                    # shuffles draw from it); main writes, a worker reads it at a new epoch
+ F_CLAIM,          # the ticket the request went out with, until someone claims it (0):
+                   # the worker that pops it, or main moving it to another slot (claim())
  ) = range(HEADER_FIELDS)
 REQUEST_OFF = HEADER_FIELDS * 8
 DATA_OFF = 65536
@@ -77,6 +79,28 @@ REQUEST_MAX = DATA_OFF - REQUEST_OFF
 MIN_SLOT_BYTES = DATA_OFF + 4096
 
 ST_REQUESTED, ST_READY, ST_GROW, ST_ERROR, ST_END = 1, 2, 3, 4, 5
+
+# A request ring's value: the slot in the low SLOT_BITS bits, the request's ticket (a
+# number main never gives twice, never 0) above them. The ticket is also the slot's
+# F_CLAIM until the request is claimed, so a worker popping a request that main moved
+# to another slot meanwhile (or a slot that carries a later request by then) finds
+# another value there and skips it (poolloader.main.requests, _move_newest).
+SLOT_BITS = 24
+MAX_SLOTS = 1 << SLOT_BITS
+TICKET_LIMIT = 1 << (63 - SLOT_BITS)
+CLAIM_OFF = F_CLAIM * 8
+
+
+def ring_value(slot: int, ticket: int) -> int:
+    return slot | ticket << SLOT_BITS
+
+
+def ring_entry(value: int) -> tuple[int, int]:
+    """(slot, ticket) of a request ring's value; a negative value (a stray write) is
+    returned as the slot, which the worker's bounds check refuses."""
+    if value < 0:
+        return value, 0
+    return value & (MAX_SLOTS - 1), value >> SLOT_BITS
 
 # A tensor up to SMALL_TENSOR_BYTES is copied into the batch's private small buffer
 # instead of viewed in the slot: copying 64 KiB costs main about what making one
@@ -182,6 +206,18 @@ def write_request(mapping, header: np.ndarray, seq: int, epoch: int, worker: int
     # the fields from F_MAGIC to F_REQUEST_LEN (stamp's, the status, where the request
     # is) in one C call; the worker reads none before the ring hands it the slot
     _REQUEST_FIELDS.pack_into(mapping, 0, SLOT_MAGIC, ST_REQUESTED, seq, epoch, worker, off, n)
+
+
+def copy_request(source, source_header: np.ndarray, target, target_header: np.ndarray) -> None:
+    """Main, owning `target` and the request in `source` (not yet claimed by its
+    worker): the same request, written into `target` as write_request wrote it."""
+    off, n = int(source_header[F_REQUEST_OFF]), int(source_header[F_REQUEST_LEN])
+    if off + n > target.size:
+        raise ValueError(f"internal error: a request of {n} bytes at {off} does not fit a slot "
+                         f"of {target.size} bytes")
+    memoryview(target)[off:off + n] = memoryview(source)[off:off + n]
+    target_header[F_SHARED_SEED] = source_header[F_SHARED_SEED]
+    _REQUEST_FIELDS.pack_into(target, 0, *source_header[:_REQUEST_FIELDS.size // 8].tolist())
 
 
 # F_MAGIC, F_STATUS, F_SEQ, F_EPOCH, F_WORKER, F_REQUEST_OFF, F_REQUEST_LEN: the header's

@@ -33,6 +33,7 @@ from torch.utils.data.graph_settings import apply_random_seed
 
 from poolloader.errors import RingClosed, RingTimeout, SlotCorrupt
 from poolloader.resume.keys import WorkerProgress
+from poolloader.shm._ring import claim
 from poolloader.shm.control import WORKER_LOADED
 from poolloader.shm.pool import WorkerSlots
 from poolloader.wire import codec, filling
@@ -340,6 +341,20 @@ class LogicalWorker:
         return status
 
 
+def claimed(slots: WorkerSlots, writer: codec.SlotWriter, value: int) -> int | None:
+    """The slot of the request ring's `value` if this worker now has its request: it
+    swaps the slot's claim word from the value's ticket to 0. None if main moved the
+    request to another slot before (the ring holds that one next: PoolLoaderIter.
+    _move_newest), which leaves nothing to do here; the slot may carry a later request
+    by now, under another ticket."""
+    slot, ticket = fmt.ring_entry(value)
+    if ticket == 0:  # not a value main writes: the bounds check refuses its slot
+        return slot
+    if claim(sync_mappings(slots, writer, slot), fmt.CLAIM_OFF, ticket):
+        return slot
+    return None
+
+
 def forget_worker_info() -> None:
     """get_worker_info() says None again (no logical worker of this process runs: the
     one that ran is gone, and its WorkerInfo would keep its dataset alive)."""
@@ -498,7 +513,7 @@ def worker_loop(cfg: WorkerConfig, *hosted: WorkerConfig) -> None:
         while True:
             try:
                 if only is not None:
-                    lw, slot = only, only.request_ring.pop(timeout=WORKER_TICK)
+                    lw, value = only, only.request_ring.pop(timeout=WORKER_TICK)
                 else:
                     got = first_request(workers, start)
                     if got is None:
@@ -508,7 +523,7 @@ def worker_loop(cfg: WorkerConfig, *hosted: WorkerConfig) -> None:
                         if not bell.wait(WORKER_TICK):  # type: ignore[union-attr]
                             raise RingTimeout("no request within the tick")
                         continue
-                    i, slot = got
+                    i, value = got
                     lw, start = workers[i], (i + 1) % len(workers)
             except RingTimeout:
                 if not _parent_alive(slots):
@@ -519,6 +534,9 @@ def worker_loop(cfg: WorkerConfig, *hosted: WorkerConfig) -> None:
                 continue
             except RingClosed:
                 return
+            slot = claimed(slots, writer, value)
+            if slot is None:  # moved: its new slot is further down the ring
+                continue
             if lw is not current:
                 current.leave()
                 lw.enter()

@@ -31,6 +31,7 @@ from poolloader.worker.loop import (
     WORKER_TICK,
     LogicalWorker,
     WorkerConfig,
+    claimed,
     first_request,
     forget_worker_info,
     freeze_inherited,
@@ -115,7 +116,7 @@ def _rank_gone(cfg: WorkerConfig) -> bool:
         attachment.close()
 
 
-def _serve(entry: tuple[_Group, LogicalWorker], slot: int, current: LogicalWorker | None,
+def _serve(entry: tuple[_Group, LogicalWorker], value: int, current: LogicalWorker | None,
            idle_since: int) -> LogicalWorker | None:
     """Serve one request of `entry`'s logical worker; returns the logical worker now
     entered, None if its rank closed its rings meanwhile. (A function of its own: no
@@ -126,8 +127,10 @@ def _serve(entry: tuple[_Group, LogicalWorker], slot: int, current: LogicalWorke
             current.leave()
         lw.enter()
     try:
-        serve_request(lw, group.slots, group.writer, slot, idle_since, shared=True)
-        group.doorbell.ring()
+        request = claimed(group.slots, group.writer, value)
+        if request is not None:  # else moved by its rank: its new slot is further down the ring
+            serve_request(lw, group.slots, group.writer, request, idle_since, shared=True)
+            group.doorbell.ring()
     except RingClosed:
         return None
     except Exception:

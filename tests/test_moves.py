@@ -1,0 +1,99 @@
+"""A request moved before its worker starts on it (issue 45): the request sent into a
+slot whose pages no batch wrote moves, at the next call, to the FREE slot the consumer
+just left, so a worker-bound `for` loop keeps one slot of its pool uncharged
+(PoolLoaderIter._move_newest). Whoever swaps the slot's claim word first has the
+request: its worker, popping it, or main, moving it; the loser leaves it alone.
+
+Real workers over real shared memory: the batches are DataLoader's, bit for bit, what
+the pool holds is read from the kernel (Mapping.resident_bytes), and the races between a
+move and its worker's pop are run, not simulated.
+"""
+from __future__ import annotations
+
+import time
+
+import loader_datasets as ds
+import pytest
+import torch
+from compare import assert_same, both_loaders
+
+from poolloader import PoolLoader
+from poolloader.wire import slot_format as fmt
+
+SAMPLE_BYTES = (1 << 16) * 4  # SlowAugmentDataset's image
+
+
+def _copy(batch: dict) -> dict:
+    """What the comparison keeps of a batch: copies, so that no slot stays held."""
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def _written_slots(it) -> int:
+    """Slots whose data pages hold at least one sample's bytes (the kernel's count)."""
+    return sum(m is not None and m.resident_bytes() >= SAMPLE_BYTES for m in it._pool.mappings)
+
+
+def test_a_worker_bound_loop_keeps_one_slot_clean_and_dataloaders_batches():
+    """2 workers × prefetch 2 = 4 requests out, a pool of 6 slots (4 + the batch being
+    delivered + the one a `for` loop still holds). Without moves all 6 are written
+    after the first few batches; with them 5: the newest request waits in the sixth,
+    clean one until the next call moves it. The batches are DataLoader's."""
+    data = ds.SlowAugmentDataset(n=64, delay=0.03)
+    written, moved = [], []
+
+    def run(loader):
+        got = []
+        it = iter(loader)
+        for k, batch in enumerate(it):
+            got.append(_copy(batch))
+            if isinstance(loader, PoolLoader) and k >= 4 and len(got) < 28:
+                written.append(_written_slots(it))
+            del batch
+        if isinstance(loader, PoolLoader):
+            moved.append(loader.stats.requests_moved)
+        return got
+
+    ref, got = both_loaders(lambda cls: cls(
+        data, batch_size=2, shuffle=True, num_workers=2, timeout=60,
+        generator=torch.Generator().manual_seed(5)), run)
+    assert_same(ref, got)
+    print(f"moved {moved[0]} of {len(got)} requests; slots written {written}")
+    assert moved[0] >= len(got) // 2, moved
+    assert written and max(written) == 5, written
+
+
+def test_moves_racing_their_workers_keep_every_batch_over_epochs():
+    """Jittered samples and a jittered consumer: moves and their workers' pops race,
+    some won by each side. Two epochs with persistent workers (a stale ring entry of
+    the first epoch is popped in the second), every batch DataLoader's."""
+    data = ds.SlowAugmentDataset(n=240, jitter=0.01, numel=1 << 15)
+    moved = []
+
+    def run(loader):
+        epochs = []
+        for _ in range(2):
+            got = []
+            for k, batch in enumerate(loader):
+                got.append(_copy(batch))
+                del batch
+                time.sleep(0.004 * (k * 40503 % 997) / 997)
+            epochs.append(got)
+        if isinstance(loader, PoolLoader):
+            moved.append(loader.stats.requests_moved)
+        return epochs
+
+    ref, got = both_loaders(lambda cls: cls(
+        data, batch_size=1, shuffle=True, num_workers=2, persistent_workers=True, timeout=60,
+        generator=torch.Generator().manual_seed(11)), run)
+    for epoch, (a, b) in enumerate(zip(ref, got)):
+        assert_same(a, b, f"epoch {epoch}")
+    print(f"moved {moved[0]} of {2 * len(got[0])} requests")
+    assert moved[0] > 0
+
+
+def test_a_pool_larger_than_a_ring_value_addresses_is_refused():
+    """A request ring's value carries the slot in SLOT_BITS bits: a pool that could
+    grow past that is refused with the numbers and the options, before any worker."""
+    loader = PoolLoader(list(range(4)), num_workers=1, max_slots=fmt.MAX_SLOTS + 1)
+    with pytest.raises(ValueError, match=f"more than the {fmt.MAX_SLOTS} .*max_slots="):
+        iter(loader)
