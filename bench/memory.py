@@ -30,8 +30,9 @@ the other, the order rotated per repetition, as bench/throughput.py does):
       Target: PoolLoader ≥ 0.9 × DataLoader's batches/s.
   (d) RF-DETR's batch (`workload.RFDETRShaped`, 16 × 576², per-sample targets) in one
       process with `--d-workers` (8) fork workers: an epoch of `--d-batches` batches of
-      next()+del. Measured: `pss_mib`, main's and the workers' PSS summed halfway
-      through the epoch, and the cgroup peak charge.
+      next()+del, with a pause of `--d-pause` seconds (0) at the middle batch. Measured:
+      `pss_mib`, main's and the workers' PSS summed halfway through the epoch (read in
+      a thread, so the loop does not stop for it), and the cgroup peak charge.
       Target: PoolLoader's cgroup peak ≤ 1.0 × DataLoader's (issue 45).
 
 Every arm runs in a memory cgroup of its own (bench/cgroups.py; v1 or v2, skipped with
@@ -186,6 +187,7 @@ def child(spec: dict) -> None:
                 del batch
                 if k == spec["d_batches"] // 2:
                     reading.start()
+                    time.sleep(spec["d_pause"])
             reading.join(60)
         else:
             before = {p: reader.read_process(p) for p in pids}
@@ -292,6 +294,9 @@ def main(argv=None) -> int:
     p.add_argument("--parts", default="a,b,c,d", help="which parts (a, b, c, d; comma-separated)")
     p.add_argument("--d-workers", type=int, default=8, help="(d) workers (default 8)")
     p.add_argument("--d-batches", type=int, default=None, help="(d) batches (40; quick 24)")
+    p.add_argument("--d-pause", type=float, default=0.0,
+                   help="(d) seconds the consumer pauses at the middle batch (0: none), as a "
+                        "training loop does to log or evaluate")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--array-mib", type=int, default=None, help="(a) numpy array MiB (512; quick 128)")
     p.add_argument("--tensor-mib", type=int, default=None, help="(a) tensor MiB (256; quick 64)")
@@ -343,7 +348,8 @@ def main(argv=None) -> int:
                     "tensor_mib": cfg.tensor_mib, "batches": cfg.batches, "dicts": cfg.dicts,
                     "cow_items": cfg.cow_items, "buffer_mib": cfg.buffer_mib,
                     "seconds": cfg.seconds, "min_batches": cfg.min_batches,
-                    "d_workers": cfg.d_workers, "d_batches": cfg.d_batches}
+                    "d_workers": cfg.d_workers, "d_batches": cfg.d_batches,
+                    "d_pause": cfg.d_pause}
             return revisions.run_arm(HERE, spec, cfg.timeout, cgroup=True)
 
         raw = _interleave_parts(common, cells, cfg, measure)
@@ -353,6 +359,7 @@ def main(argv=None) -> int:
             f"{cfg.workers} workers, batch {BATCH} ((b): 256); (a) array {cfg.array_mib} MiB + "
             f"tensor {cfg.tensor_mib} MiB, {cfg.batches} batches; (b) {cfg.dicts} dicts, "
             f"{cfg.cow_items} random reads; (c) buffer {cfg.buffer_mib} MiB, ≥{cfg.seconds:g} s; "
+            f"(d) {cfg.d_workers} workers, {cfg.d_batches} batches, pause {cfg.d_pause:g} s; "
             f"{cfg.reps} reps, each arm a fresh process; this tree {here or '?'}"
             + (f", baseline {cfg.baseline} ({rev})" if rev else "")
             + f"; {writers.env_line()}; 1-min load average {load0:.2f} at the start, "
