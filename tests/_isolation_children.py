@@ -347,7 +347,7 @@ def corrupt_ring(mode):
 
 def _overwrite_control(prefix, mode):
     """The worker-like writer: maps the pool's control block by name, as a worker does,
-    and overwrites one field of every ring (or pushes a slot index main never sent)."""
+    and overwrites one field of every ring (or pushes a value main never sent)."""
     import numpy as np
 
     from poolloader.shm.backends.posix import control_name, open_segment
@@ -356,10 +356,13 @@ def _overwrite_control(prefix, mode):
     mapping = open_segment(control_name(prefix))
     num_workers, max_slots = Control.read_shape(mapping)
     layout = ControlLayout(num_workers, max_slots)
-    if mode == "slot_outside_pool":
+    if mode in ("slot_outside_pool", "ticket_gone_back"):
         from poolloader.shm._ring import Ring
+        from poolloader.wire.slot_format import ring_value
 
-        Ring(mapping, layout.request_ring_offset(0)).push(-5, timeout=1.0)
+        # -5: no slot; slot 0 under ticket 1, which main gave out long before
+        value = -5 if mode == "slot_outside_pool" else ring_value(0, 1)
+        Ring(mapping, layout.request_ring_offset(0)).push(value, timeout=1.0)
         return
     u64 = np.frombuffer(mapping, np.uint64)
     for w in range(num_workers):

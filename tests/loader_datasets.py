@@ -65,6 +65,21 @@ class SlowAugmentDataset(Dataset):
         }
 
 
+class GrowingDataset(Dataset):
+    """Sample i: `delay` seconds, then 128 KiB × 1.02**i filled with i: every few samples
+    a batch outgrows its slot, so main replaces slots while requests move."""
+
+    def __init__(self, n=300, delay=0.004):
+        self.n, self.delay = n, delay
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        time.sleep(self.delay)
+        return torch.full((int((1 << 15) * 1.02 ** i),), float(i))
+
+
 class VariedDataset(Dataset):
     """Structures of every kind a collate_fn may return, at odd sizes."""
 

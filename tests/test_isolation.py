@@ -334,7 +334,8 @@ def corrupt_rings():
 
 @pytest.fixture(scope="module")
 def corrupt_live_loaders():
-    return _each_mode("corrupt_live_loader", [*CORRUPTIONS, "slot_outside_pool"], timeout=300)
+    return _each_mode("corrupt_live_loader", [*CORRUPTIONS, "slot_outside_pool", "ticket_gone_back"],
+                      timeout=300)
 
 
 @pytest.mark.parametrize("mode", CORRUPTIONS)
@@ -389,6 +390,21 @@ def test_a_slot_index_outside_the_pool_stops_its_worker_not_main(corrupt_live_lo
     assert result["error"] == "WorkerDied", result
     assert "worker 0" in result["message"] and "exit code 1" in result["message"], result
     assert "slot -5, outside the pool" in proc.stderr, proc.stderr[-3000:]
+    assert not result["names"], result
+
+
+def test_a_ticket_main_gave_out_before_stops_its_worker_not_main(corrupt_live_loaders):
+    """A worker-like process pushes slot 0 under ticket 1 on worker 0's request ring (a
+    value main wrote once, long before). Main's tickets only increase on a ring, so the
+    worker refuses it (a stale value would otherwise be skipped as a moved request, and
+    main would wait for it) and dies; main reports WorkerDied naming the worker."""
+    proc, results = corrupt_live_loaders
+    assert proc.returncode == 0 and "ticket_gone_back" in results, describe(proc)
+    result = results["ticket_gone_back"]
+    print(result)
+    assert result["error"] == "WorkerDied", result
+    assert "worker 0" in result["message"] and "exit code 1" in result["message"], result
+    assert "gave ticket 1 (slot 0) after ticket" in proc.stderr, proc.stderr[-3000:]
     assert not result["names"], result
 
 

@@ -91,6 +91,36 @@ def test_moves_racing_their_workers_keep_every_batch_over_epochs():
     assert moved[0] > 0
 
 
+def test_moves_while_slots_grow_and_one_worker_keeps_a_deep_prefetch():
+    """Two ways a move went wrong in review (helper-21), each the run that showed it:
+    (1) batches that keep outgrowing their slots, so a worker popped a moved request's
+    old entry while main was replacing that slot's segment (generation 0): the worker
+    mapped the slot to read its claim word and died (7 runs in 16); the claim word is in
+    the control block now. (2) One worker with prefetch_factor=5: its ring held each
+    slot in flight and a stale entry per moved request, more than one cell per slot,
+    and a push found it full (`SlotCorrupt`). Both loaders' batches are DataLoader's."""
+    for make in (
+            lambda cls: cls(ds.GrowingDataset(n=300), batch_size=None, num_workers=2,
+                            timeout=30),
+            lambda cls: cls(ds.SlowAugmentDataset(n=60, delay=0.01), batch_size=1,
+                            num_workers=1, prefetch_factor=5, timeout=30)):
+        moved = []
+
+        def run(loader, moved=moved):
+            got = []
+            for batch in loader:
+                got.append(_copy(batch) if isinstance(batch, dict) else batch.clone())
+                del batch
+            if isinstance(loader, PoolLoader):
+                moved.append(loader.stats.requests_moved)
+            return got
+
+        ref, got = both_loaders(make, run)
+        assert_same(ref, got)
+        print(f"moved {moved[0]} of {len(got)}")
+        assert moved[0] > 0
+
+
 def test_a_pool_larger_than_a_ring_value_addresses_is_refused():
     """A request ring's value carries the slot in SLOT_BITS bits: a pool that could
     grow past that is refused with the numbers and the options, before any worker."""

@@ -43,7 +43,7 @@ from torch.utils.data.dataloader import (
 from poolloader.cuda import gate
 from poolloader.errors import ControlCorrupt, SlotCorrupt, WorkerDied
 from poolloader.main import stall, startup, supervise
-from poolloader.main.ledger import SlotLedger, plan_sizes
+from poolloader.main.ledger import SlotLedger, check_addressable, plan_sizes
 from poolloader.main.requests import RequestScheduling
 from poolloader.main.share import SHARE_SLACK
 from poolloader.main.stats import LoaderStats
@@ -160,6 +160,7 @@ class PoolLoaderIter(TrackedNext, RequestScheduling, IteratorTeardown,
         if self._share is not None and loader.max_slots is None:
             size = size._replace(capacity=size.capacity + SHARE_SLACK,
                                  max_slots=size.max_slots + SHARE_SLACK)
+        check_addressable(size, loader, self._max_in_flight)
         self._epoch = 0
         # state_dict()/load_state_dict(): takes the base seed of a loaded state, if any
         setup = IteratorSetup(n, self._base_seed, self._in_order, self._persistent_workers,

@@ -96,12 +96,16 @@ def plan_sizes(loader, gated: bool, in_flight: int, most_in_flight: int | None =
     capacity = slot_capacity(slots, max(in_flight, most_in_flight or 0), loader.max_slots)
     max_slots = loader.max_slots if loader.max_slots is not None else capacity * (2 if gated else 1)
     slot_bytes = max(loader.slot_bytes, loader.stats.learned_slot_bytes, fmt.MIN_SLOT_BYTES)
-    if max_slots > fmt.MAX_SLOTS:  # a request ring's value has SLOT_BITS for the slot
-        raise ValueError(
-            f"a pool of {max_slots} slots is more than the {fmt.MAX_SLOTS} a PoolLoader can "
-            f"address (slots={loader.slots}, max_slots={loader.max_slots}, num_workers × "
-            f"prefetch_factor = {in_flight}): pass a smaller max_slots= or prefetch_factor=")
     return Sizing(min(slots, max_slots), capacity, max_slots, slot_bytes)
+
+
+def check_addressable(size: Sizing, loader, in_flight: int) -> None:
+    """A request ring's value has SLOT_BITS for the slot (slot_format.ring_value)."""
+    if size.max_slots > fmt.MAX_SLOTS:
+        raise ValueError(
+            f"a pool of {size.max_slots} slots is more than the {fmt.MAX_SLOTS} a PoolLoader "
+            f"can address (slots={loader.slots}, max_slots={loader.max_slots}, num_workers × "
+            f"prefetch_factor = {in_flight}): pass a smaller max_slots= or prefetch_factor=")
 
 
 class SlotLedger:
@@ -260,12 +264,12 @@ class SlotLedger:
 
     def push(self, ring, slot: int, pushed: list) -> int:
         """Push the request in `slot` on `ring` (a request ring, with room for every
-        slot) under a new ticket (its claim word, and the ring value's high bits:
-        slot_format.ring_value) and append try_push's result to `pushed`, in one C-level
+        slot) under a new ticket (its claim word in the control block, and the ring
+        value's high bits: slot_format.ring_value) and append try_push's result to `pushed`, in one C-level
         call: whatever a signal handler raises, `pushed` says whether the slot went
         out. Returns the ticket."""
         ticket = new_ticket()
-        self.header(slot)[fmt.F_CLAIM] = ticket
+        self.pool.control.claims[slot] = ticket
         pushed.extend(itertools.starmap(type(ring).try_push,
                                         ((ring, fmt.ring_value(slot, ticket)),)))
         return ticket

@@ -163,15 +163,16 @@ class RequestScheduling:
             return
         fmt.copy_request(ledger.mapping(slot), ledger.header(slot), ledger.mapping(target),
                          ledger.header(target))
+        control = ledger.pool.control
         moved_ticket = new_ticket()
-        ledger.header(target)[fmt.F_CLAIM] = moved_ticket
+        control.claims[target] = moved_ticket
         moved: list = []
         ledger.moving = (slot, target, moved)
         ledger.free.pop()  # `target`, on top (move_target)
         ledger.inflight[target] = ledger.inflight[slot]
         self._sent_indices[target] = self._sent_indices.get(slot)
         moved.extend(itertools.starmap(claim_and_push, (
-            (ledger.header(slot), fmt.CLAIM_OFF, ticket, ring,
+            (control.mapping, control.layout.claim_offset(slot), ticket, ring,
              fmt.ring_value(target, moved_ticket)),)))
         self._settle_move()
         if moved[0] == 1 and self._request_bells is not None:
@@ -191,20 +192,23 @@ class RequestScheduling:
             ledger.free.append(back)
         if won:
             ledger.clean.add(source)
-        if ledger.moving is not None:
-            if won:
-                ledger.stats.requests_moved += 1
-            elif moved and self._worker_bound():
-                # its worker took it first, into the clean slot, while the target's
-                # pages are charged for a batch that is dead: they go back now, before
-                # that worker writes its batch, so the pool's charge stays where it was
-                # (main waits for its workers anyway; the next batch written into the
-                # target faults its pages in again)
-                ledger.clean_top()
+            ledger.stats.requests_moved += 1  # (twice if an interrupt makes this run again)
+        elif moved and self._worker_bound():
+            # its worker took it first, into the clean slot, while the target's pages
+            # are charged for a batch that is dead: they go back now, before that
+            # worker writes its batch, so the pool's charge stays where it was (main
+            # waits for its workers anyway; the next batch written into the target
+            # faults its pages in again)
+            ledger.clean_top()
         ledger.moving = None
-        if won and moved[0] == 2:
-            error = SlotCorrupt(f"internal error: the request ring of worker "
-                                f"{ledger.inflight[target][1]} is full")
+        if won and moved[0] != 1:  # the request is nowhere now: nothing can go on
+            worker = ledger.inflight[target][1]
+            error: Exception = SlotCorrupt(
+                f"internal error: the request ring of worker {worker} is full")
+            if moved[0] == 3:
+                error = ControlCorrupt(
+                    f"the request ring of worker {worker} refused a moved request (closed, "
+                    "or its shared fields overwritten)")
             self._fail(error)
             raise error
 

@@ -267,10 +267,15 @@ def claim(buffer, Py_ssize_t offset, uint64_t ticket):
 def claim_and_push(buffer, Py_ssize_t offset, uint64_t ticket, Ring ring, int64_t value):
     """claim(), and if it won, ring.try_push(value), in one call (no signal handler
     runs between them): 0 lost the claim (nothing pushed), 1 claimed and pushed, 2
-    claimed but the ring was full."""
+    claimed but the ring was full, 3 claimed but the push raised (the ring closed or
+    broken: it raises again at its next call)."""
     if _claim(buffer, offset, ticket) != 1:
         return 0
-    return 1 if ring.try_push(value) else 2
+    try:
+        pushed = ring.try_push(value)
+    except Exception:
+        return 3
+    return 1 if pushed else 2
 
 
 cdef class Doorbell(_Shared):

@@ -27,6 +27,9 @@ the readers below; both sides use these functions only:
                               finds the segment: memfd backend: main's descriptor number
                               and the segment's inode; POSIX backend: 0, 0 (the name
                               follows from the prefix, slot and generation)
+    K    claims               max_slots u64: the ticket of the request main sent in each
+                              slot, until the worker popping it or main moving it swaps it
+                              to 0 (poolloader.shm._ring.claim)
     B    ack table            num_workers × max_slots u64: generation mapped by each worker
     S    worker stats         num_workers × 5 u64, written by each worker for itself:
            [0] batches produced  [1] ns producing (fetch + collate + encode)
@@ -34,7 +37,8 @@ the readers below; both sides use these functions only:
            [3] busy stamp: slot being produced and since when (poolloader.worker.stall owns it)
            [4] 1 once it has loaded its start arguments (WORKER_LOADED: main frees them
                when every worker has, PoolLoaderIter._heard in poolloader.main.iterator)
-    C    rings                per worker: request ring, done ring (capacity max_slots each)
+    C    rings                per worker: request ring, done ring (capacity 2 × max_slots
+                              each: RING_CELLS_PER_SLOT)
     D    request doorbells    hosts × DOORBELL_BYTES: host h's is rung by main after a push
                               to the request ring of any worker it hosts (worker w is
                               hosted by h = w % hosts: hosted_by)
@@ -58,6 +62,11 @@ _HEADER_FIELDS = 8
 H_MAGIC, H_WORKERS, H_MAX_SLOTS, H_NUM_SLOTS, H_GROWTH, H_MAIN_PID, H_HOSTS, H_RETURNS = range(8)
 # H_RETURNS: 1 where a worker gives back the pages of its slot past what its reply
 # uses (SlotPool: a memfd pool with no CUDA registration and no private views)
+# Cells of every ring per slot: a request ring holds each slot in flight once, and a
+# request main moved to another slot (poolloader.main.requests, _move_newest) leaves a
+# stale entry ahead of its new one until its worker pops it: never more stale entries
+# than live ones behind them.
+RING_CELLS_PER_SLOT = 2
 # slot table columns (keep in sync with the layout above)
 S_GENERATION, S_SIZE, S_HANDLE_A, S_HANDLE_B = range(4)
 SLOT_ROW_BYTES = 8 * 4
@@ -86,12 +95,19 @@ class ControlLayout:
         self.hosts = hosts
         self.doorbell = 64
         self.slot_table = _align(self.doorbell + DOORBELL_BYTES)
-        self.ack_table = _align(self.slot_table + SLOT_ROW_BYTES * max_slots)
+        self.claims = _align(self.slot_table + SLOT_ROW_BYTES * max_slots)
+        self.ack_table = _align(self.claims + 8 * max_slots)
         self.worker_stats = _align(self.ack_table + 8 * num_workers * max_slots)
         self.rings = _align(self.worker_stats + 8 * WORKER_STATS * num_workers)
-        self.ring_bytes = _align(Ring.nbytes(max_slots))
+        self.ring_capacity = RING_CELLS_PER_SLOT * max_slots
+        self.ring_bytes = _align(Ring.nbytes(self.ring_capacity))
         self.request_doorbells = _align(self.rings + 2 * num_workers * self.ring_bytes)
         self.nbytes = _align(self.request_doorbells + hosts * DOORBELL_BYTES, 4096)
+
+    def claim_offset(self, slot: int) -> int:
+        """Where slot `slot`'s claim word is (a u64 in `claims`): the ticket of the
+        request main sent in it, until someone claims it (poolloader.shm._ring.claim)."""
+        return self.claims + 8 * slot
 
     def request_ring_offset(self, worker: int) -> int:
         return self.rings + 2 * worker * self.ring_bytes
@@ -119,6 +135,7 @@ class Control:
         # slot_table[s] = (generation, size in bytes, handle a, handle b) of slot s's
         # current segment (columns S_*)
         self.slot_table = np.ndarray((max_slots, 4), np.uint64, buffer=mapping, offset=lay.slot_table)
+        self.claims = np.ndarray((max_slots,), np.uint64, buffer=mapping, offset=lay.claims)
         # acks[w, s] = generation of slot s that worker w has mapped (0: none)
         self.acks = np.ndarray((num_workers, max_slots), np.uint64, buffer=mapping, offset=lay.ack_table)
         # worker_stats[w] = (batches, producing ns, waiting ns, busy stamp, loaded)
@@ -127,6 +144,7 @@ class Control:
         if create:
             self.header[:] = 0
             self.slot_table[:] = 0
+            self.claims[:] = 0
             self.acks[:] = 0
             self.worker_stats[:] = 0
             self.header[H_WORKERS] = num_workers
@@ -144,20 +162,22 @@ class Control:
             self.header[H_MAGIC] = CONTROL_MAGIC
 
     def _ring(self, offset: int, label: str, create: bool) -> Ring:
-        """Create a ring of max_slots cells, or attach one and check it has that many.
+        """Create a ring of layout.ring_capacity cells, or attach one and check it has
+        that many.
 
         Each Ring keeps its capacity in the process (csrc/ring.h): after this,
         nothing that is written into its fields can move a read or write."""
-        max_slots = self.layout.max_slots
+        capacity = self.layout.ring_capacity
         if create:
-            return Ring(self.mapping, offset, capacity=max_slots, label=label)
+            return Ring(self.mapping, offset, capacity=capacity, label=label)
         try:
             ring = Ring(self.mapping, offset, label=label)
         except ValueError as e:
             raise ControlCorrupt(f"the control block's {e}") from None
-        if ring.capacity != max_slots:
+        if ring.capacity != capacity:
             raise ControlCorrupt(f"{label} records capacity {ring.capacity}, but the control "
-                                 f"block's max_slots is {max_slots}")
+                                 f"block's max_slots is {self.layout.max_slots} "
+                                 f"({capacity} cells)")
         return ring
 
     @staticmethod
@@ -193,7 +213,7 @@ class Control:
 
     def close_views(self) -> None:
         """Drop every view so the mapping can be unmapped."""
-        self.header = self.slot_table = self.acks = self.worker_stats = None  # type: ignore[assignment]
+        self.header = self.slot_table = self.claims = self.acks = self.worker_stats = None  # type: ignore[assignment]
         self.doorbell = None  # type: ignore[assignment]
         self.request_doorbells = []
         self.request_rings = self.done_rings = []

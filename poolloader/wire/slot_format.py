@@ -51,7 +51,7 @@ from poolloader.errors import SlotCorrupt
 from poolloader.shm.backend import page_round
 
 SLOT_MAGIC = 0x746F6C536C50  # "PlSlot"
-HEADER_FIELDS = 18
+HEADER_FIELDS = 17
 (F_MAGIC,          # SLOT_MAGIC
  F_STATUS,         # one of the ST_* values
  F_SEQ,            # the batch's send index (main writes, worker echoes: main's ownership check)
@@ -70,8 +70,6 @@ HEADER_FIELDS = 18
  F_STATE_LEN,      # its length in bytes (0: none)
  F_SHARED_SEED,    # the epoch's shared seed (DataLoader's _shared_seed: IterDataPipe
                    # shuffles draw from it); main writes, a worker reads it at a new epoch
- F_CLAIM,          # the ticket the request went out with, until someone claims it (0):
-                   # the worker that pops it, or main moving it to another slot (claim())
  ) = range(HEADER_FIELDS)
 REQUEST_OFF = HEADER_FIELDS * 8
 DATA_OFF = 65536
@@ -81,14 +79,14 @@ MIN_SLOT_BYTES = DATA_OFF + 4096
 ST_REQUESTED, ST_READY, ST_GROW, ST_ERROR, ST_END = 1, 2, 3, 4, 5
 
 # A request ring's value: the slot in the low SLOT_BITS bits, the request's ticket (a
-# number main never gives twice, never 0) above them. The ticket is also the slot's
-# F_CLAIM until the request is claimed, so a worker popping a request that main moved
-# to another slot meanwhile (or a slot that carries a later request by then) finds
-# another value there and skips it (poolloader.main.requests, _move_newest).
+# number main never gives twice, never 0, increasing on each ring) above them. The
+# ticket is also the slot's claim word in the control block until the request is
+# claimed, so a worker popping a request that main moved to another slot meanwhile (or
+# a slot that carries a later request by then) finds another value there and skips it
+# (poolloader.main.requests, _move_newest; poolloader.worker.loop, claimed).
 SLOT_BITS = 24
 MAX_SLOTS = 1 << SLOT_BITS
 TICKET_LIMIT = 1 << (63 - SLOT_BITS)
-CLAIM_OFF = F_CLAIM * 8
 
 
 def ring_value(slot: int, ticket: int) -> int:

@@ -178,6 +178,7 @@ class LogicalWorker:
         # came: deferred ones wait for main to grow their slot, the others (parked)
         # for those before them (serve)
         self.waiting: collections.deque = collections.deque()
+        self.last_ticket = 0  # of the last value popped from the request ring (claimed)
         self.request_ring = control.request_rings[cfg.worker_id]
         self.done_ring = control.done_rings[cfg.worker_id]
         self.stats = control.worker_stats[cfg.worker_id]
@@ -341,16 +342,25 @@ class LogicalWorker:
         return status
 
 
-def claimed(slots: WorkerSlots, writer: codec.SlotWriter, value: int) -> int | None:
-    """The slot of the request ring's `value` if this worker now has its request: it
-    swaps the slot's claim word from the value's ticket to 0. None if main moved the
-    request to another slot before (the ring holds that one next: PoolLoaderIter.
-    _move_newest), which leaves nothing to do here; the slot may carry a later request
-    by now, under another ticket."""
+def claimed(lw: LogicalWorker, slots: WorkerSlots, value: int) -> int | None:
+    """The slot of `value`, popped from `lw`'s request ring, if this worker now has its
+    request: it swaps the slot's claim word (in the control block, always mapped) from
+    the value's ticket to 0. None if main moved the request to another slot before (the
+    ring holds that one next: PoolLoaderIter._move_newest), which leaves nothing to do
+    here; the slot may carry a later request by now, under another ticket. Main's
+    tickets increase on every ring: one that does not was not written by main."""
     slot, ticket = fmt.ring_entry(value)
-    if ticket == 0:  # not a value main writes: the bounds check refuses its slot
-        return slot
-    if claim(sync_mappings(slots, writer, slot), fmt.CLAIM_OFF, ticket):
+    control = slots.control
+    if ticket == 0 or slot >= control.layout.max_slots:
+        return slot  # not a value main writes: the slot's bounds check refuses it
+    if ticket <= lw.last_ticket:
+        raise SlotCorrupt(
+            f"the request ring of worker {lw.cfg.worker_id} gave ticket {ticket} (slot {slot}) "
+            f"after ticket {lw.last_ticket}: main's tickets only increase, so a process that "
+            "maps the control block wrote over the ring (a stray write in dataset, collate or "
+            "extension code running in a worker)")
+    lw.last_ticket = ticket
+    if claim(control.mapping, control.layout.claim_offset(slot), ticket):
         return slot
     return None
 
@@ -534,7 +544,7 @@ def worker_loop(cfg: WorkerConfig, *hosted: WorkerConfig) -> None:
                 continue
             except RingClosed:
                 return
-            slot = claimed(slots, writer, value)
+            slot = claimed(lw, slots, value)
             if slot is None:  # moved: its new slot is further down the ring
                 continue
             if lw is not current:

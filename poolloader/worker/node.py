@@ -127,7 +127,7 @@ def _serve(entry: tuple[_Group, LogicalWorker], value: int, current: LogicalWork
             current.leave()
         lw.enter()
     try:
-        request = claimed(group.slots, group.writer, value)
+        request = claimed(lw, group.slots, value)
         if request is not None:  # else moved by its rank: its new slot is further down the ring
             serve_request(lw, group.slots, group.writer, request, idle_since, shared=True)
             group.doorbell.ring()
