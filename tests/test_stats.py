@@ -1,4 +1,5 @@
 """LoaderStats: plausible counters that answer "which side is the bottleneck?"."""
+import mmap
 import os
 import signal
 import time
@@ -62,7 +63,12 @@ HELD = []  # what worker_init_fn keeps alive in its worker
 
 def hold_private_64mib_in_worker_0(worker_id):
     if worker_id == 0:  # 64 MiB written page by page: private, resident, this worker's only
-        HELD.append(bytearray(b"\x01") * (64 * MIB))
+        # a mapping of its own: malloc could reuse heap pages inherited from the pytest
+        # process, shared until written, whose PSS share the worker already carried
+        # (under xdist that heap holds what earlier tests left: PSS then grew by 34 MiB)
+        block = mmap.mmap(-1, 64 * MIB)
+        block.write(b"\x01" * (64 * MIB))
+        HELD.append(block)
 
 
 def _wait_gone(pid, timeout=10.0):

@@ -62,7 +62,11 @@ _TICKETS = itertools.count(1)
 
 def new_ticket() -> int:
     """A ticket no request of this process had (never 0; slot_format.ring_value)."""
-    return next(_TICKETS) % (fmt.TICKET_LIMIT - 1) + 1
+    ticket = next(_TICKETS)
+    if ticket >= fmt.TICKET_LIMIT:  # 2**39 requests: 1.7 years at 10000 a second
+        raise RuntimeError(f"this process has sent {fmt.TICKET_LIMIT - 1} requests, the most "
+                           "a request ring's value can number: start a new process")
+    return ticket
 
 
 def default_slots(in_flight: int) -> int:

@@ -248,7 +248,7 @@ class RequestScheduling:
             ticket = ledger.push(ring, slot, pushed)
             if not pushed[0]:
                 raise SlotCorrupt(f"internal error: the request ring of worker {worker} is "
-                                  f"full ({ring.capacity} cells, one per slot)")
+                                  f"full ({ring.capacity} cells, two per slot)")
             ledger.newest = (slot, ticket, worker) if ledger.took_clean and plain else None
             if self._request_bells is not None:
                 self._request_bells[worker].ring()

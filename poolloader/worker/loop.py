@@ -351,8 +351,13 @@ def claimed(lw: LogicalWorker, slots: WorkerSlots, value: int) -> int | None:
     tickets increase on every ring: one that does not was not written by main."""
     slot, ticket = fmt.ring_entry(value)
     control = slots.control
-    if ticket == 0 or slot >= control.layout.max_slots:
+    if value < 0 or slot >= control.layout.max_slots:
         return slot  # not a value main writes: the slot's bounds check refuses it
+    if ticket == 0:
+        raise SlotCorrupt(
+            f"the request ring of worker {lw.cfg.worker_id} gave slot {slot} without a ticket: "
+            "main pushes none such, so a process that maps the control block wrote over the "
+            "ring (a stray write in dataset, collate or extension code running in a worker)")
     if ticket <= lw.last_ticket:
         raise SlotCorrupt(
             f"the request ring of worker {lw.cfg.worker_id} gave ticket {ticket} (slot {slot}) "
