@@ -73,6 +73,50 @@ class _AtEntry:
         return None
 
 
+def _two_epochs(loader, trap_for, fired: list, keep=lambda batch: batch, after=None) -> list:
+    """Two epochs of `loader` next() by next(); call k of the first runs under the trace
+    function `trap_for(k)` gives (None: none), and one it interrupts is recorded in
+    `fired` (KeyboardInterrupt must come from that trap). Each batch is kept as
+    `keep(batch)`, then `after(it)` runs. After each of a PoolLoader's epochs, every
+    slot is back FREE, none was detached and no move is left half done."""
+    epochs = []
+    for epoch in range(2):
+        it = iter(loader)
+        got, batch, k = [], None, 0
+        while True:
+            trap = trap_for(k) if epoch == 0 and isinstance(loader, PoolLoader) else None
+            if trap is not None:
+                sys.settrace(trap)
+            try:
+                batch = next(it)
+            except StopIteration:
+                break
+            except KeyboardInterrupt:
+                assert trap is not None and trap.fired
+                fired.append(k)
+                k += 1
+                continue
+            finally:
+                if trap is not None:
+                    sys.settrace(None)
+            got.append(keep(batch))
+            k += 1
+            if after is not None:
+                after(it)
+        del batch
+        epochs.append(got)
+        if isinstance(loader, PoolLoader):
+            gc.collect()
+            ledger = loader._iterator._ledger
+            ledger.drain()
+            assert not ledger.leases and not ledger.inflight, (ledger.leases, ledger.inflight)
+            assert sorted(ledger.free) == list(range(ledger.pool.num_slots)), \
+                f"slots not back after epoch {epoch}: free {sorted(ledger.free)} " \
+                f"of {ledger.pool.num_slots}"
+            assert loader.stats.detaches == 0 and ledger.moving is None
+    return epochs
+
+
 WINDOWS = {
     # _draw: the sampler's index returned (the tracker drew it), not yet held
     "draw_index": lambda: _AfterLine(PoolLoaderIter._draw, "self._next_index()"),
@@ -102,47 +146,17 @@ def test_an_interrupted_next_loses_at_most_its_batch(window):
     as the refill is entered loses the refill: no batch (the sampler is drawn to its
     end all the same), but one request fewer is out for the rest of the epoch."""
     data = ds.AugmentDataset(n=37, shape=(64,))
-    fired, depths = [], []
+    fired: list[int] = []
+    depths: list[int] = []
+
+    def depth(it):
+        if isinstance(it, PoolLoaderIter) and not it._sampler_exhausted:
+            # DataLoader's prefetch: num_workers × prefetch_factor requests out
+            depths.append(it._slots_out() + len(it._held))
 
     def run(loader):
-        epochs = []
-        for epoch in range(2):
-            it = iter(loader)
-            got, batch, k = [], None, 0
-            while True:
-                trap = WINDOWS[window]() if (epoch == 0 and k == K
-                                             and isinstance(loader, PoolLoader)) else None
-                if trap is not None:
-                    sys.settrace(trap)
-                try:
-                    batch = next(it)
-                except StopIteration:
-                    break
-                except KeyboardInterrupt:
-                    assert trap is not None and trap.fired
-                    fired.append(k)
-                    k += 1
-                    continue
-                finally:
-                    if trap is not None:
-                        sys.settrace(None)
-                got.append(batch)
-                k += 1
-                if isinstance(loader, PoolLoader) and not it._sampler_exhausted:
-                    # DataLoader's prefetch: num_workers × prefetch_factor requests out
-                    depths.append(it._slots_out() + len(it._held))
-            del batch
-            epochs.append(got)
-            if isinstance(loader, PoolLoader):
-                gc.collect()
-                ledger = loader._iterator._ledger
-                ledger.drain()
-                assert not ledger.leases and not ledger.inflight, (ledger.leases, ledger.inflight)
-                assert sorted(ledger.free) == list(range(ledger.pool.num_slots)), \
-                    f"slots not back after epoch {epoch}: free {sorted(ledger.free)} " \
-                    f"of {ledger.pool.num_slots}"
-                assert loader.stats.detaches == 0
-        return epochs
+        return _two_epochs(loader, lambda k: WINDOWS[window]() if k == K else None, fired,
+                           after=depth)
 
     ref, got = both_loaders(lambda cls: cls(
         data, batch_size=3, shuffle=True, num_workers=2, persistent_workers=True, timeout=30,
@@ -211,39 +225,9 @@ def test_an_interrupted_move_loses_at_most_its_batch(window):
     fired: list[int] = []
 
     def run(loader):
-        epochs = []
-        for epoch in range(2):
-            got, k, trap = [], 0, None
-            it = iter(loader)
-            while True:
-                if isinstance(loader, PoolLoader) and not fired and epoch == 0:
-                    trap = MOVE_WINDOWS[window]()
-                    sys.settrace(trap)
-                try:
-                    batch = next(it)
-                except StopIteration:
-                    break
-                except KeyboardInterrupt:
-                    assert trap is not None and trap.fired
-                    fired.append(k)
-                    k += 1
-                    continue
-                finally:
-                    sys.settrace(None)
-                got.append({key: v.clone() if isinstance(v, torch.Tensor) else v
-                            for key, v in batch.items()})
-                del batch
-                k += 1
-            epochs.append(got)
-            if isinstance(loader, PoolLoader):
-                gc.collect()
-                ledger = loader._iterator._ledger
-                ledger.drain()
-                assert not ledger.leases and not ledger.inflight, (ledger.leases, ledger.inflight)
-                assert sorted(ledger.free) == list(range(ledger.pool.num_slots)), \
-                    f"slots not back after epoch {epoch}: free {sorted(ledger.free)}"
-                assert loader.stats.detaches == 0 and ledger.moving is None
-        return epochs
+        return _two_epochs(loader, lambda k: None if fired else MOVE_WINDOWS[window](), fired,
+                           keep=lambda b: {key: v.clone() if isinstance(v, torch.Tensor) else v
+                                           for key, v in b.items()})
 
     ref, got = both_loaders(lambda cls: cls(
         data, batch_size=2, shuffle=True, num_workers=2, persistent_workers=True, timeout=30,
