@@ -95,12 +95,13 @@ def test_moves_while_slots_grow_and_one_worker_keeps_a_deep_prefetch():
     """Two ways a move went wrong in review (helper-21), each the run that showed it:
     (1) batches that keep outgrowing their slots, so a worker popped a moved request's
     old entry while main was replacing that slot's segment (generation 0): the worker
-    mapped the slot to read its claim word and died (7 runs in 16); the claim word is in
+    mapped the slot to read its claim word and died (7 runs in 16 of 300 samples; 200
+    here, so that DataLoader's batches fit a 64 MiB /dev/shm); the claim word is in
     the control block now. (2) One worker with prefetch_factor=5: its ring held each
     slot in flight and a stale entry per moved request, more than one cell per slot,
     and a push found it full (`SlotCorrupt`). Both loaders' batches are DataLoader's."""
     for make in (
-            lambda cls: cls(ds.GrowingDataset(n=300), batch_size=None, num_workers=2,
+            lambda cls: cls(ds.GrowingDataset(n=200), batch_size=None, num_workers=2,
                             timeout=30),
             lambda cls: cls(ds.SlowAugmentDataset(n=60, delay=0.01), batch_size=1,
                             num_workers=1, prefetch_factor=5, timeout=30)):
