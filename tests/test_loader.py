@@ -509,14 +509,16 @@ def test_requests_reach_the_fetcher_with_the_samplers_types(sampler):
 
 
 def test_a_pool_that_shrinks_and_grows_again_delivers_dataloaders_batches(monkeypatch):
-    """A pool of 10 slots (slots=10) whose consumer holds three batches (every slot in
+    """A pool of 10 slots (slots=10) whose consumer holds five batches (every slot in
     use), then none for a while (the slots it no longer needs give their pages back:
-    stats.pages_returned, resident < reserved), then three again (those slots are
+    stats.pages_returned, resident < reserved), then five again (those slots are
     written anew), twice over: every batch, random augmentation included, is
-    DataLoader's."""
+    DataLoader's. (Five, not three: a worker-bound pool keeps one slot clean for the
+    newest request, and may give one more back, so three held batches left the busy
+    stretch's charge level with the idle one's in one CI run.)"""
     from poolloader.main import ledger
     monkeypatch.setattr(ledger, "IDLE_TAKES", 4)
-    pattern = [3] * 8 + [0] * 16 + [3] * 8 + [0] * 16  # batches held, per batch delivered
+    pattern = [5] * 8 + [0] * 16 + [5] * 8 + [0] * 16  # batches held, per batch delivered
     figures: dict = {}
 
     def run(loader):

@@ -122,10 +122,11 @@ class PoolLoaderIter(TrackedNext, RequestScheduling, IteratorTeardown,
         self._stats: LoaderStats = loader.stats
         self._epoch_started = time.perf_counter()  # start-up counts from here (stats)
         self._last_delivery: float | None = None
-        # main_wait_s as this call began (_next_host), and which of the 4 calls before
-        # it waited for a worker (a bit each, the latest lowest): _worker_bound
+        # main_wait_s as this call began (_next_host), and how long main waited for its
+        # workers of late: the call before's wait, or half the figure before, if more
+        # (RequestScheduling._clean_top)
         self._wait_mark = float("inf")
-        self._waited = 0
+        self._recent_wait = 0.0
         # slot -> the sample indices sent in its request (a reference): stall reports
         self._sent_indices: dict[int, object] = {}
         self._int_list_requests = _yields_int_lists(self._index_sampler)
@@ -483,7 +484,7 @@ class PoolLoaderIter(TrackedNext, RequestScheduling, IteratorTeardown,
         if ledger.moving is not None:
             self._settle_move()
         waited = self._stats.main_wait_s
-        self._waited = (self._waited << 1 | (waited > self._wait_mark)) & 0xF
+        self._recent_wait = max(waited - self._wait_mark, self._recent_wait / 2)
         self._wait_mark = waited
         if ledger.newest is not None:
             # now, not at the refill after the wait: the batch the consumer dropped since

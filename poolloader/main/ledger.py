@@ -52,6 +52,10 @@ SPARE_SLOTS = 2
 # more than the pool needs: its pages are given back (SlotLedger._return_idle).
 IDLE_TAKES = 16
 
+# SlotLedger.clean_top gives a slot's pages back at most once per this many takes (a
+# move lost to its worker, or a pool that kept no clean slot: PoolLoaderIter._clean_top)
+RETURN_EVERY = 16
+
 # A share_batches hold that is never given back (SlotLedger.share_abandon).
 _NEVER = 1 << 62
 
@@ -158,7 +162,7 @@ class SlotLedger:
         self.took_clean = False
         self.newest: tuple[int, int, int] | None = None
         self.moving: tuple[int, int, list] | None = None
-        self._cleaned_at = -IDLE_TAKES  # the take count at the last clean_top()
+        self._cleaned_at = -RETURN_EVERY  # the take count at the last clean_top()
 
     # -- views of a slot --------------------------------------------------------
     def mapping(self, slot: int):
@@ -278,20 +282,24 @@ class SlotLedger:
                                         ((ring, fmt.ring_value(slot, ticket)),)))
         return ticket
 
-    def clean_top(self, every: int = 0) -> None:
-        """The FREE slot the next take() hands out (on top of `free`) gives back the
-        pages a batch wrote there; with `every`, at most once per that many takes
-        (returning 66 MiB costs main ~5 ms, and the next batch written there the page
-        faults): PoolLoaderIter._send and _settle_move."""
+    def dirty_top(self) -> int | None:
+        """The FREE slot the next take() hands out (on top of `free`) if a batch wrote
+        its pages and clean_top() has not run for RETURN_EVERY takes; else None."""
         if self.released:
             self.drain()
         free = self.free
-        if not free or free[-1] in self.clean or self._takes - self._cleaned_at < every:
-            return
+        if not free or free[-1] in self.clean or self._takes - self._cleaned_at < RETURN_EVERY:
+            return None
+        return free[-1]
+
+    def clean_top(self) -> None:
+        """Give back the pages of dirty_top()'s slot (returning 66 MiB costs main ~5 ms,
+        and the next batch written there the page faults): PoolLoaderIter._clean_top."""
+        slot = self.free[-1]
         self._cleaned_at = self._takes
-        if self.pool.return_pages(free[-1], fmt.DATA_OFF):
+        if self.pool.return_pages(slot, fmt.DATA_OFF):
             self.stats.pages_returned += 1
-            self.clean.add(free[-1])
+            self.clean.add(slot)
 
     def move_target(self, slot: int) -> int | None:
         """Where the request in `slot` (a clean one) may move: the FREE slot on top of

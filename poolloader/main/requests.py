@@ -10,9 +10,13 @@ import itertools
 from typing import Any
 
 from poolloader.errors import ControlCorrupt, SlotCorrupt
-from poolloader.main.ledger import IDLE_TAKES, new_ticket
+from poolloader.main.ledger import new_ticket
 from poolloader.shm._ring import claim_and_push
 from poolloader.wire import slot_format as fmt
+
+# What giving back a slot's pages costs main here (MADV_REMOVE / a hole punched in a
+# memfd: ~5 ms for 66 MiB measured, 0.1 s per GiB allowed): _clean_top
+RETURN_S_PER_BYTE = 0.1 / (1 << 30)
 
 
 class RequestScheduling:
@@ -49,7 +53,7 @@ class RequestScheduling:
     _workers_status: Any
     _stats: Any
     _wait_mark: float
-    _waited: int
+    _recent_wait: float
 
     def _try_put_index(self) -> None:
         """DataLoader's _try_put_index, call for call: each call draws its index and
@@ -130,11 +134,21 @@ class RequestScheduling:
         self._puts_owed -= 1
         self._held.append((index, worker, self._shared_seed))
 
-    def _worker_bound(self) -> bool:
-        """Whether main is waiting for its workers: this call or one of the 4 before it
-        did (with 8 workers on few cores, batches come in bursts: some calls find theirs
-        ready while main is waiting most of the time)."""
-        return bool(self._waited) or self._stats.main_wait_s > self._wait_mark
+    def _clean_top(self) -> None:
+        """Give back the pages of the FREE slot the next take() hands out, if a batch
+        wrote them (SlotLedger.dirty_top: at most once per RETURN_EVERY takes) and main
+        has been waiting for its workers of late at least as long as that takes it
+        (RETURN_S_PER_BYTE): the next request then waits in a clean slot, which the next
+        call can keep clean by moving it. Otherwise a pool whose workers take their
+        requests at once pays nothing (the next batch written there would fault every
+        page in again)."""
+        ledger = self._ledger
+        slot = ledger.dirty_top()
+        if slot is None:
+            return
+        waited = max(self._recent_wait, self._stats.main_wait_s - self._wait_mark)
+        if waited >= RETURN_S_PER_BYTE * ledger.pool.size(slot):
+            ledger.clean_top()
 
     def _move_newest(self) -> None:
         """Move the last request sent to a FREE slot that a batch has written, if it
@@ -193,13 +207,11 @@ class RequestScheduling:
         if won:
             ledger.clean.add(source)
             ledger.stats.requests_moved += 1  # (twice if an interrupt makes this run again)
-        elif moved and self._worker_bound():
+        elif moved:
             # its worker took it first, into the clean slot, while the target's pages
-            # are charged for a batch that is dead: they go back now, before that
-            # worker writes its batch, so the pool's charge stays where it was (main
-            # waits for its workers anyway; the next batch written into the target
-            # faults its pages in again)
-            ledger.clean_top()
+            # are charged for a batch that is dead: they may go back now, before that
+            # worker writes its batch, so the pool's charge stays where it was
+            self._clean_top()
         ledger.moving = None
         if won and moved[0] != 1:  # the request is nowhere now: nothing can go on
             worker = ledger.inflight[target][1]
@@ -222,12 +234,8 @@ class RequestScheduling:
         if ledger.newest is not None:
             self._move_newest()
         plain = ledger.gate is None and self._share is None and self._node is None
-        if plain and self._worker_bound():
-            # a request sent now in a clean slot will likely move at the next call, so
-            # if the slot take() hands out was written, its pages go back (at most once
-            # per IDLE_TAKES takes): after a time the consumer was the bottleneck (its
-            # workers took every request at once), the pool keeps a clean slot again
-            ledger.clean_top(IDLE_TAKES)
+        if plain:
+            self._clean_top()  # after a time the workers took every request at once
         seq, outstanding, held = self._send_idx, self._tasks_outstanding, self._held
         request_held = held[0]
         ring = self._request_rings[worker]
