@@ -330,12 +330,17 @@ def _plain_fields():
     ({"x": np.array([1, "a"], dtype=object)}, False),  # numpy's own reducer
     ({"x": torch.ones(2), "f": torch.float32}, False),  # a global by itself
     ({"x": torch.ones(2), "c": 1j}, False),  # complex pickles by builtins.complex
-], ids=["dict", "containers", "packed", "ordered", "namedtuple", "grad", "object", "dtype", "complex"])
+    ({"size": 16, "boxes": [3, 0, 7]}, False),  # no tensor: nothing to keep untracked
+    ({"a": np.arange(3), "b": np.ones((2, 2))}, False),  # arrays alone: autograd sees none
+], ids=["dict", "containers", "packed", "ordered", "namedtuple", "grad", "object", "dtype", "complex",
+        "no-tensor", "arrays"])
 def test_a_skeleton_is_marked_untracked_only_when_it_names_no_global_but_allowed_ones(
         slot, payload, untracked):
     """Main makes a batch's tensors outside autograd's view tracking only when the
     worker pickled nothing that names a global but PackedTargets' rebuild: plain
-    containers, numbers, strings, tensors and arrays. Every batch decodes the same."""
+    containers, numbers, strings, tensors and arrays. A batch without a tensor is not
+    marked (its load needs neither the guard nor the collector held off). Every batch
+    decodes the same."""
     mapping, header = slot
     encode(mapping, header, payload)
     off, n = int(header[fmt.F_SKELETON_OFF]), int(header[fmt.F_SKELETON_LEN])

@@ -199,6 +199,7 @@ class _SkeletonPickler(pickle.Pickler):
         self.small_len = 0
         self.names_globals = False  # pickled an object that names a global (VIEWS_UNTRACKED)
         self.repeated = False  # holds one tensor or array in two places (TENSOR_REPEATED)
+        self.tensors = False  # made a tensor's pid: VIEWS_UNTRACKED matters only then
 
     def persistent_id(self, obj):
         # called by pickle for every object it saves (the ids themselves excepted)
@@ -214,6 +215,8 @@ class _SkeletonPickler(pickle.Pickler):
                 return None
             if pid[0] == PID_PICKLED:
                 self.names_globals = True
+            elif kind is torch.Tensor:
+                self.tensors = True
             self.memo_ids[id(obj)] = pid
             self.keep.append(obj)  # alive until the dump ends: its id is not reused
             return pid
@@ -304,7 +307,9 @@ def encode(writer: SlotWriter, header: np.ndarray, payload, status: int) -> None
     buf = io.BytesIO()
     pickler = _SkeletonPickler(buf, writer)
     pickler.dump(payload)
-    flags = (0 if pickler.names_globals else VIEWS_UNTRACKED) | (TENSOR_REPEATED if pickler.repeated else 0)
+    # a skeleton without a tensor view is unpickled as it is: no guard, no collector pause
+    untracked = pickler.tensors and not pickler.names_globals
+    flags = (VIEWS_UNTRACKED if untracked else 0) | (TENSOR_REPEATED if pickler.repeated else 0)
     if flags:
         buf.write(bytes((flags,)))
     skeleton = buf.getbuffer()
@@ -355,8 +360,8 @@ def _checked_find_class(unpickler: pickle.Unpickler, module, name):
 # A skeleton's flags: one byte after pickle's STOP, written when any is set (a pickle
 # ends with STOP, b".", so a skeleton without flags ends with that byte, 0x2e).
 #
-# VIEWS_UNTRACKED: the skeleton's pickling named no global (save those of
-# allow_untracked): main makes its tensors below autograd's view tracking (torch's
+# VIEWS_UNTRACKED: the skeleton holds a tensor view and its pickling named no global
+# (save those of allow_untracked): main makes its tensors below autograd's view tracking (torch's
 # ADInplaceOrView dispatch key), as torch.load and DataLoader's main make theirs with
 # set_(): none is a view of another (`_base` is None) and each has a version counter
 # of its own, so an in-place write into one field (another small tensor of the same
