@@ -211,3 +211,24 @@ def wait_gone(pids, timeout: float) -> bool:
             return False
         time.sleep(0.01)
     return True
+
+
+# what torch's TCPStore (and so torchrun's and accelerate's rendezvous) says when the
+# port it was given is taken
+_PORT_TAKEN = ("EADDRINUSE", "address already in use", "Address already in use")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago. Another process may take it
+    before the caller's rendezvous binds it (nothing can hand a bound socket to a rank
+    started later): the callers start again with a new port when `port_taken` says so."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_taken(text: str) -> bool:
+    """Whether a rank's output says its rendezvous port was taken meanwhile."""
+    return any(words in text for words in _PORT_TAKEN)

@@ -1,24 +1,24 @@
 """Two gloo ranks on this CPU machine, each with its own 2-worker PoolLoader.
 
 The ranks run tests/_dist_rank.py as subprocesses (MASTER_ADDR=127.0.0.1 and a free
-port); every wait is bounded and a rank that has not finished in time is killed by
-pid. Checked: DistributedSampler's shares are disjoint and cover the data set in
-each epoch (and set_epoch reshuffles), each rank's pool has its own names, a DDP
-model trains with a finite loss and identical parameters on both ranks, and a
-WebDataset pipeline split with split_by_node gives the ranks disjoint shards that
-together hold every sample.
+port, started once more on another if that port was taken meanwhile); every wait is
+bounded and a rank that has not finished in time is killed by pid. Checked:
+DistributedSampler's shares are disjoint and cover the data set in each epoch (and
+set_epoch reshuffles), each rank's pool has its own names, a DDP model trains with a
+finite loss and identical parameters on both ranks, and a WebDataset pipeline split
+with split_by_node gives the ranks disjoint shards that together hold every sample.
 """
 from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 import torch.distributed as dist
+from proc import free_port, port_taken
 
 from fixtures.shards import read_samples, shard_urls, write_shards
 from fixtures.synthetic import make_coco_like
@@ -32,14 +32,21 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
                                 reason="torch.distributed with gloo is not available")
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_ranks(tmp_path, urls=()):
-    port = _free_port()
+    """Each rank's result; started once more, on a new port, if another process took
+    the first one between free_port() and rank 0's store binding it."""
+    for attempt in range(2):
+        procs, outs, logs, timed_out = _start_ranks(tmp_path, urls, free_port())
+        if all(p.returncode == 0 for p in procs) or attempt or not port_taken("".join(logs)):
+            break
+    assert all(p.returncode == 0 for p in procs), (
+        f"killed unfinished ranks (pids {timed_out}) after {DEADLINE_S} s or a peer's failure\n"
+        + "\n".join(logs))
+    return [json.loads(out.read_text()) for out in outs]
+
+
+def _start_ranks(tmp_path, urls, port):
+    """(processes, result paths, logs, pids killed unfinished) of one run of the ranks."""
     procs, outs, errs = [], [], []
     try:
         for rank in range(WORLD):
@@ -73,10 +80,7 @@ def _run_ranks(tmp_path, urls=()):
         err.seek(0)
         logs.append(f"--- rank {rank} (exit {procs[rank].returncode}) ---\n{err.read()[-4000:]}")
         err.close()
-    assert all(p.returncode == 0 for p in procs), (
-        f"killed unfinished ranks (pids {timed_out}) after {DEADLINE_S} s or a peer's failure\n"
-        + "\n".join(logs))
-    return [json.loads(out.read_text()) for out in outs]
+    return procs, outs, logs, timed_out
 
 
 @pytest.fixture(scope="module")
