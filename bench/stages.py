@@ -56,6 +56,9 @@ fork, in one run:
         "in the loop": the same view, 10 made right after each sample's three
         batches (the caches and the other core as those batches met them: a
         worker writing a refill); PoolLoader's packed cell.
+        "after a sleep": 10 such views made first thing after the same sleep
+        as a cold batch meets it, in `--samples` samples of their own (each
+        followed by three untimed batches); PoolLoader's packed cell.
   Per cell and repetition: the warm-up of the other mode, then `--samples` times:
   sleep until the prefetch queue is full (`wait_ready`), then time three ready
   batches back to back: main-thread CPU time (`time.thread_time_ns`) and wall time
@@ -64,7 +67,8 @@ fork, in one run:
   [min-max] over repetitions, and the ratios are per repetition between the loaders
   run side by side. Targets: none: Pool <= DataLoader; packed: Pool <= 1.25 x
   (DataLoader's none + 10 x floor), all in CPU time; the report also sets warm
-  packed against DataLoader's none + 10 x the floor in the loop.
+  packed against DataLoader's none + 10 x the floor in the loop, and cold packed
+  against DataLoader's cold none + the 10 views after a sleep.
 
 Usage:
   python bench/stages.py [--quick] [--workers 2,4] [--rows packed,per_sample]
@@ -348,10 +352,29 @@ def fixed_collate(row: str, pool: bool):
     return workload.IntsCollate() if row == "none" else workload.RFDETRCollate(row, pool)
 
 
-def run_fixed(arm: str, row: str, workers: int, dataset, cfg) -> dict:
+def fixed_batches(workers: int, cfg) -> tuple[int, int]:
+    """(warm-up batches, batches in all) of one --fixed-cost cell: each sample takes
+    3 batches after a sleep, and each sample of the floor after a sleep 3 more."""
     in_flight = workers * cfg.prefetch
     warmup = 2 * (in_flight + 2) + 2
-    total = warmup + 3 * cfg.samples + in_flight + 2
+    return warmup, warmup + 2 * 3 * cfg.samples + in_flight + 2
+
+
+def views_after_sleep(view_buffer) -> tuple[float, float]:
+    """Main-thread CPU µs of torch's first view, and of LOOP_VIEWS views, made as the
+    first thing after a sleep (what a cold next() meets)."""
+    c0 = time.thread_time_ns()
+    t = torch.frombuffer(view_buffer, dtype=torch.float32, count=64, offset=0).view(16, 4)
+    del t
+    c1 = time.thread_time_ns()
+    for k in range(1, LOOP_VIEWS):
+        t = torch.frombuffer(view_buffer, dtype=torch.float32, count=64, offset=256 * k).view(16, 4)
+        del t
+    return (c1 - c0) / 1e3, (time.thread_time_ns() - c0) / 1e3
+
+
+def run_fixed(arm: str, row: str, workers: int, dataset, cfg) -> dict:
+    warmup, total = fixed_batches(workers, cfg)
     cls = DataLoader if arm == "dl" else PoolLoader
     loader = cls(dataset, batch_size=BATCH, num_workers=workers, sampler=range(total * BATCH),
                  drop_last=True, prefetch_factor=cfg.prefetch, timeout=60,
@@ -386,6 +409,17 @@ def run_fixed(arm: str, row: str, workers: int, dataset, cfg) -> dict:
             loop_view.append((time.thread_time_ns() - c0) / LOOP_VIEWS / 1e3)
             warm_cpu.append(statistics.median(cpu[1:]))
             warm_wall.append(statistics.median(wall[1:]))
+        # torch's views after the same sleep, in samples of their own (a view made
+        # before a timed next() would warm the code that next() meets cold)
+        first_view, cold_views = [], []
+        for _ in range(cfg.samples):
+            wait_ready(it, cfg.settle_s, cfg.max_settle_s)
+            first, views = views_after_sleep(view_buffer)
+            first_view.append(first)
+            cold_views.append(views)
+            for _ in range(3):
+                batch = next(it)
+                del batch
         for batch in it:
             del batch
     finally:
@@ -396,7 +430,9 @@ def run_fixed(arm: str, row: str, workers: int, dataset, cfg) -> dict:
         procs.wait_no_children()
     return {"cold_cpu_us": statistics.median(cold_cpu), "warm_cpu_us": statistics.median(warm_cpu),
             "cold_wall_us": statistics.median(cold_wall), "warm_wall_us": statistics.median(warm_wall),
-            "view_us": one_view_us(), "loop_view_us": statistics.median(loop_view)}
+            "view_us": one_view_us(), "loop_view_us": statistics.median(loop_view),
+            "cold_first_view_us": statistics.median(first_view),
+            "cold_views_us": statistics.median(cold_views)}
 
 
 def fixed_report(raw: common.Raw, workers_list, cfg, load, wall_s) -> str:
@@ -445,13 +481,23 @@ def fixed_report(raw: common.Raw, workers_list, cfg, load, wall_s) -> str:
         lines.append(f"* warm cpu, packed against the floor in the loop: Pool {packed_pool:.1f} vs "
                      f"{none_dl:.1f} + 10 × {in_loop.median:.2f} = {bound:.1f} µs "
                      f"({packed_pool / bound:.2f}× that floor)")
+        # the cold verdict's floor as a cold next() meets it: torch's ten views made
+        # first thing after the same sleep (the cell's own; PoolLoader's packed one)
+        cold_views = common.summarize(raw.series((w, "packed"), "pool", "cold_views_us"))
+        first = common.summarize(raw.series((w, "packed"), "pool", "cold_first_view_us"))
+        packed_pool = common.summarize(raw.series((w, "packed"), "pool", "cold_cpu_us")).median
+        none_dl = common.summarize(raw.series((w, "none"), "dl", "cold_cpu_us")).median
+        bound = none_dl + cold_views.median
+        lines.append(f"* cold cpu, packed against the floor after a sleep: Pool {packed_pool:.1f} vs "
+                     f"{none_dl:.1f} + {cold_views.median:.1f} (torch's {LOOP_VIEWS} views made first "
+                     f"thing after the sleep, {first.median:.1f} of it the first) = {bound:.1f} µs "
+                     f"({packed_pool / bound:.2f}× that floor)")
     return "\n".join(lines)
 
 
 def main_fixed(cfg) -> int:
     workers_list = [int(x) for x in (cfg.workers or "2").split(",")]
-    in_flight = max(workers_list) * cfg.prefetch
-    per_cell = 2 * (in_flight + 2) + 2 + 3 * cfg.samples + in_flight + 2
+    per_cell = fixed_batches(max(workers_list), cfg)[1]
     dataset = workload.RFDETRShaped(per_cell * BATCH)
     cells = [(w, row) for w in workers_list for row in FIXED_ROWS]
     t0, load = time.perf_counter(), os.getloadavg()[0]
