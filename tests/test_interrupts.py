@@ -215,12 +215,15 @@ MOVE_WINDOWS = {
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("window", sorted(MOVE_WINDOWS))
-def test_an_interrupted_move_loses_at_most_its_batch(window):
+@pytest.mark.parametrize("window,node_workers", [(w, None) for w in sorted(MOVE_WINDOWS)]
+                         + [("move_pushed", 1)])
+def test_an_interrupted_move_loses_at_most_its_batch(window, node_workers):
     """A worker-bound loop (moves happen at most calls); the first next() that reaches
     the window is interrupted there. The epoch is DataLoader's less at most that call's
     batch, none twice; the next epoch is DataLoader's; every slot comes back, none is
-    detached, and no request is lost (the epoch ends: timeout= bounds every wait)."""
+    detached, and no request is lost (the epoch ends: timeout= bounds every wait).
+    With node_workers=1 one process hosts both workers and sleeps on a doorbell, which
+    the next call's settle rings for a move pushed before the interrupt."""
     data = ds.SlowAugmentDataset(n=40, delay=0.02)
     fired: list[int] = []
 
@@ -229,9 +232,10 @@ def test_an_interrupted_move_loses_at_most_its_batch(window):
                            keep=lambda b: {key: v.clone() if isinstance(v, torch.Tensor) else v
                                            for key, v in b.items()})
 
+    hosts = {} if node_workers is None else {"node_workers": node_workers}
     ref, got = both_loaders(lambda cls: cls(
         data, batch_size=2, shuffle=True, num_workers=2, persistent_workers=True, timeout=30,
-        generator=torch.Generator().manual_seed(9)), run)
+        generator=torch.Generator().manual_seed(9), **(hosts if cls is PoolLoader else {})), run)
     assert len(fired) == 1, fired
     k = fired[0]
     first, expected = got[0], ref[0]

@@ -189,8 +189,6 @@ class RequestScheduling:
             (control.mapping, control.layout.claim_offset(slot), ticket, ring,
              fmt.ring_value(target, moved_ticket)),)))
         self._settle_move()
-        if moved[0] == 1 and self._request_bells is not None:
-            self._request_bells[worker].ring()
 
     def _settle_move(self) -> None:
         """Record the move in `ledger.moving` (also for one an interrupt cut short; each
@@ -212,6 +210,10 @@ class RequestScheduling:
             # are charged for a batch that is dead: they may go back now, before that
             # worker writes its batch, so the pool's charge stays where it was
             self._clean_top()
+        if won and moved[0] == 1 and self._request_bells is not None:
+            # before `moving` is cleared: an interrupt before the ring leaves it to the
+            # next call's settle (a second ring only wakes the worker once more)
+            self._request_bells[ledger.inflight[target][1]].ring()
         ledger.moving = None
         if won and moved[0] != 1:  # the request is nowhere now: nothing can go on
             worker = ledger.inflight[target][1]
