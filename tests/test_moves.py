@@ -128,3 +128,38 @@ def test_a_pool_larger_than_a_ring_value_addresses_is_refused():
     loader = PoolLoader(list(range(4)), num_workers=1, max_slots=fmt.MAX_SLOTS + 1)
     with pytest.raises(ValueError, match=f"more than the {fmt.MAX_SLOTS} .*max_slots="):
         iter(loader)
+
+
+def _slow_collate(batch):
+    time.sleep(0.02)  # worker-bound: moves happen at most calls
+    return torch.tensor(batch)
+
+
+def test_a_request_too_large_for_the_request_area_does_not_move():
+    """An index list longer than the request area holds (9000 int64 indices: 72 KB,
+    against 64 KiB) is written at the start of the slot's data pages, so the slot it
+    went into is written: moving the request from it would leave that slot counted
+    clean with the request's pages charged. Such a request stays where it is; every
+    slot counted clean has no data page resident; the batches are DataLoader's."""
+    data = list(range(16 * 9000))
+    moved, dirty_clean = [], []
+
+    def run(loader):
+        got = []
+        it = iter(loader)
+        for batch in it:
+            got.append(batch.clone())
+            del batch
+            if isinstance(loader, PoolLoader):
+                pool, ledger = it._pool, it._ledger
+                dirty_clean.extend(s for s in ledger.clean if pool.mappings[s] is not None
+                                   and pool.mappings[s].resident_bytes() > fmt.DATA_OFF)
+        if isinstance(loader, PoolLoader):
+            moved.append(loader.stats.requests_moved)
+        return got
+
+    ref, got = both_loaders(lambda cls: cls(
+        data, batch_size=9000, num_workers=2, collate_fn=_slow_collate, timeout=30), run)
+    assert_same(ref, got)
+    assert len(fmt.encode_request(list(range(9000)), True)) > fmt.REQUEST_MAX
+    assert moved == [0] and not dirty_clean, (moved, dirty_clean)

@@ -246,7 +246,8 @@ class RequestScheduling:
             request = fmt.encode_request(index, self._int_list_requests)
             if self._share is not None:
                 self._share.collect()  # the followers' releases: slots take() may reuse
-            slot = ledger.take(fmt.request_slot_bytes(request))
+            needed = fmt.request_slot_bytes(request)  # 0: it fits the request area
+            slot = ledger.take(needed)
             fmt.write_request(ledger.mapping(slot), ledger.header(slot), seq,
                               self._epoch, worker, request, seed)
             ledger.inflight[slot] = (seq, worker)
@@ -259,7 +260,10 @@ class RequestScheduling:
             if not pushed[0]:
                 raise SlotCorrupt(f"internal error: the request ring of worker {worker} is "
                                   f"full ({ring.capacity} cells, two per slot)")
-            ledger.newest = (slot, ticket, worker) if ledger.took_clean and plain else None
+            # a request too large for the request area lies in the data pages: the slot
+            # is written already, and moving the request would call it clean
+            movable = ledger.took_clean and plain and not needed
+            ledger.newest = (slot, ticket, worker) if movable else None
             if self._request_bells is not None:
                 self._request_bells[worker].ring()
         except BaseException as e:
