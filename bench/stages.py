@@ -490,7 +490,7 @@ def fixed_report(raw: common.Raw, workers_list, cfg, load, wall_s) -> str:
         bound = none_dl + cold_views.median
         lines.append(f"* cold cpu, packed against the floor after a sleep: Pool {packed_pool:.1f} vs "
                      f"{none_dl:.1f} + {cold_views.median:.1f} (torch's {LOOP_VIEWS} views made first "
-                     f"thing after the sleep, {first.median:.1f} of it the first) = {bound:.1f} µs "
+                     f"thing after the sleep; the first alone {first.median:.1f}) = {bound:.1f} µs "
                      f"({packed_pool / bound:.2f}× that floor)")
     return "\n".join(lines)
 

@@ -139,8 +139,9 @@ def test_a_request_too_large_for_the_request_area_does_not_move():
     """An index list longer than the request area holds (9000 int64 indices: 72 KB,
     against 64 KiB) is written at the start of the slot's data pages, so the slot it
     went into is written: moving the request from it would leave that slot counted
-    clean with the request's pages charged. Such a request stays where it is; every
-    slot counted clean has no data page resident; the batches are DataLoader's."""
+    clean with the request's pages charged. Such a request stays where it is; no slot
+    counted clean holds more than its request area (64 KiB) in memory; the batches are
+    DataLoader's."""
     data = list(range(16 * 9000))
     moved, dirty_clean = [], []
 
