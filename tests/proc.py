@@ -213,15 +213,15 @@ def wait_gone(pids, timeout: float) -> bool:
     return True
 
 
-# what torch's TCPStore (and so torchrun's and accelerate's rendezvous) says when the
-# port it was given is taken
-_PORT_TAKEN = ("EADDRINUSE", "address already in use", "Address already in use")
+# what torch's TCPStore (and so torchrun's and accelerate's rendezvous) says, in lower
+# case, when the port it was given is taken
+_PORT_TAKEN = ("eaddrinuse", "address already in use")
 
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago. Another process may take it
     before the caller's rendezvous binds it (nothing can hand a bound socket to a rank
-    started later): the callers start again with a new port when `port_taken` says so."""
+    started later): `on_a_free_port` starts again then."""
     import socket
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -229,6 +229,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def port_taken(text: str) -> bool:
-    """Whether a rank's output says its rendezvous port was taken meanwhile."""
-    return any(words in text for words in _PORT_TAKEN)
+def on_a_free_port(run, failure):
+    """`run(port)` on a free port, once more on a new one if `failure(result)` (its
+    output when it failed, else "") says that port was taken meanwhile."""
+    result = run(free_port())
+    text = failure(result).lower()
+    if any(words in text for words in _PORT_TAKEN):
+        result = run(free_port())
+    return result

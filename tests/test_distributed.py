@@ -18,7 +18,7 @@ import time
 
 import pytest
 import torch.distributed as dist
-from proc import free_port, port_taken
+from proc import on_a_free_port
 
 from fixtures.shards import read_samples, shard_urls, write_shards
 from fixtures.synthetic import make_coco_like
@@ -34,11 +34,10 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 
 def _run_ranks(tmp_path, urls=()):
     """Each rank's result; started once more, on a new port, if another process took
-    the first one between free_port() and rank 0's store binding it."""
-    for attempt in range(2):
-        procs, outs, logs, timed_out = _start_ranks(tmp_path, urls, free_port())
-        if all(p.returncode == 0 for p in procs) or attempt or not port_taken("".join(logs)):
-            break
+    the first one before rank 0's store bound it."""
+    procs, outs, logs, timed_out = on_a_free_port(
+        lambda port: _start_ranks(tmp_path, urls, port),
+        lambda run: "" if all(p.returncode == 0 for p in run[0]) else "".join(run[2]))
     assert all(p.returncode == 0 for p in procs), (
         f"killed unfinished ranks (pids {timed_out}) after {DEADLINE_S} s or a peer's failure\n"
         + "\n".join(logs))

@@ -117,6 +117,21 @@ def _two_epochs(loader, trap_for, fired: list, keep=lambda batch: batch, after=N
     return epochs
 
 
+def _clone_tensors(batch: dict) -> dict:
+    """What an epoch keeps of a batch: its tensors copied, so that no slot stays held."""
+    return {key: v.clone() if isinstance(v, torch.Tensor) else v for key, v in batch.items()}
+
+
+def _assert_epochs(ref: list, got: list, k: int) -> bool:
+    """The interrupted epoch is DataLoader's less at most call k's batch, none twice; the
+    next epoch is DataLoader's. True when batch k was lost."""
+    first, expected = got[0], ref[0]
+    lost = len(first) != len(expected)  # else cut short before its batch left: none lost
+    assert_same(expected[:k] + expected[k + 1:] if lost else expected, first, "interrupted epoch")
+    assert_same(ref[1], got[1], "next epoch")
+    return lost
+
+
 WINDOWS = {
     # _draw: the sampler's index returned (the tracker drew it), not yet held
     "draw_index": lambda: _AfterLine(PoolLoaderIter._draw, "self._next_index()"),
@@ -163,13 +178,8 @@ def test_an_interrupted_next_loses_at_most_its_batch(window):
         generator=torch.Generator().manual_seed(7)), run)
     assert fired == [K], fired
     assert depths and set(depths) == {2 * 2}, depths
-    first, expected = got[0], ref[0]
-    if len(first) == len(expected):  # the call was cut short before the batch left: none lost
+    if not _assert_epochs(ref, got, K):
         assert window == "process_data_entry"
-        assert_same(expected, first, "interrupted epoch")
-    else:
-        assert_same(expected[:K] + expected[K + 1:], first, "interrupted epoch")
-    assert_same(ref[1], got[1], "next epoch")
 
 
 # -- share_batches: real ranks (tests/_review_children.py) ---------------------------------
@@ -226,20 +236,13 @@ def test_an_interrupted_move_loses_at_most_its_batch(window):
 
     def run(loader):
         return _two_epochs(loader, lambda k: None if fired else MOVE_WINDOWS[window](), fired,
-                           keep=lambda b: {key: v.clone() if isinstance(v, torch.Tensor) else v
-                                           for key, v in b.items()})
+                           keep=_clone_tensors)
 
     ref, got = both_loaders(lambda cls: cls(
         data, batch_size=2, shuffle=True, num_workers=2, persistent_workers=True, timeout=30,
         generator=torch.Generator().manual_seed(9)), run)
     assert len(fired) == 1, fired
-    k = fired[0]
-    first, expected = got[0], ref[0]
-    if len(first) == len(expected):  # interrupted before its batch left: none lost
-        assert_same(expected, first, "interrupted epoch")
-    else:
-        assert_same(expected[:k] + expected[k + 1:], first, "interrupted epoch")
-    assert_same(ref[1], got[1], "next epoch")
+    _assert_epochs(ref, got, fired[0])
 
 
 class _CountingBell:
@@ -278,8 +281,7 @@ def test_a_move_interrupted_after_its_push_rings_its_hosts_doorbell_at_the_next_
             return None if fired else _Trap(PoolLoaderIter._settle_move)
 
         return _two_epochs(loader, trap_for, fired,
-                           keep=lambda b: {key: v.clone() if isinstance(v, torch.Tensor) else v
-                                           for key, v in b.items()})
+                           keep=_clone_tensors)
 
     ref, got = both_loaders(lambda cls: cls(
         data, batch_size=2, shuffle=True, num_workers=2, persistent_workers=True, timeout=30,
@@ -287,10 +289,4 @@ def test_a_move_interrupted_after_its_push_rings_its_hosts_doorbell_at_the_next_
         **({"node_workers": 1} if cls is PoolLoader else {})), run)
     assert len(fired) == 1 and len(pending) == 1 and pending[0] is not None, (fired, pending)
     assert any(moving is pending[0] for moving in rings), "the interrupted move was never rung"
-    k = fired[0]
-    first, expected = got[0], ref[0]
-    if len(first) == len(expected):
-        assert_same(expected, first, "interrupted epoch")
-    else:
-        assert_same(expected[:k] + expected[k + 1:], first, "interrupted epoch")
-    assert_same(ref[1], got[1], "next epoch")
+    _assert_epochs(ref, got, fired[0])

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 from helpers import communicate_within, leftovers, pid_running
-from proc import free_port, port_taken
+from proc import on_a_free_port
 
 RUN_TIMEOUT_S = 120
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -581,14 +581,12 @@ def test_accelerate_launch_two_gloo_ranks_under_the_runner(tmp_path):
     out = tmp_path / "rank"
     # `--cpu` makes accelerate 1.15 start one process; --multi_gpu starts torchrun, and on a
     # machine without CUDA the two ranks train on the CPU over gloo.
-    for attempt in range(2):  # once more on another port if that one was taken meanwhile
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
-               "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-               "--dynamo_backend", "no", "--main_process_port", str(free_port()),
-               "-m", "poolloader", str(script), str(out)]
-        rc, _stdout, stderr, pid = _run(cmd, cwd=tmp_path, timeout=180)
-        if rc == 0 or attempt or not port_taken(stderr):
-            break
+    rc, _stdout, stderr, pid = on_a_free_port(lambda port: _run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
+         "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+         "--dynamo_backend", "no", "--main_process_port", str(port),
+         "-m", "poolloader", str(script), str(out)], cwd=tmp_path, timeout=180),
+        lambda run: run[2] if run[0] else "")
     assert rc == 0, stderr[-4000:]
     ranks = [json.loads((tmp_path / f"rank.{r}").read_text()) for r in range(2)]
     assert [r["rank"] for r in ranks] == [0, 1] and all(r["world"] == 2 for r in ranks)

@@ -361,9 +361,9 @@ def _checked_find_class(unpickler: pickle.Unpickler, module, name):
 # ends with STOP, b".", so a skeleton without flags ends with that byte, 0x2e).
 #
 # VIEWS_UNTRACKED: the skeleton holds a tensor view and its pickling named no global
-# (save those of allow_untracked): main makes its tensors below autograd's view tracking (torch's
-# ADInplaceOrView dispatch key), as torch.load and DataLoader's main make theirs with
-# set_(): none is a view of another (`_base` is None) and each has a version counter
+# (save those of allow_untracked): main makes its tensors below autograd's view
+# tracking (torch's ADInplaceOrView dispatch key), as torch.load and DataLoader's main
+# make theirs with set_(): none is a view of another (`_base` is None) and each has a version counter
 # of its own, so an in-place write into one field (another small tensor of the same
 # dtype) does not fail autograd's check of a field it saved for backward. It costs
 # less than a tracked view, too. A skeleton that names any other global (a user's
